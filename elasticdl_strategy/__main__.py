@@ -1,0 +1,5 @@
+import sys
+
+from elasticdl_strategy.cli import main
+
+sys.exit(main())

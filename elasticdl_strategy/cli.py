@@ -1,0 +1,107 @@
+"""The ``elasticdl-strategy`` command (also ``python -m elasticdl_strategy``).
+
+Subcommands:
+    run          start the coordinator and N workers on this machine
+    coordinator  serve the coordinator (started by the launchers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, NoReturn, Optional
+
+from elasticdl_strategy.errors import ConfigError
+
+PROG = "elasticdl-strategy"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Reports bad arguments in one line and exits 2, before anything starts."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(
+        prog=f"{PROG} run",
+        description="Start the coordinator and N workers running CMD on this machine.",
+        usage=f"{PROG} run --workers N [options] -- CMD [ARGS...]",
+    )
+    p.add_argument("--workers", "-n", type=int, required=True, help="number of workers to start")
+    p.add_argument("--min-workers", type=int, help="fewest workers to train with (default: --workers)")
+    p.add_argument("--max-workers", type=int, help="most workers in a membership (default: --workers)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface for the coordinator and workers (default 127.0.0.1)")
+    p.add_argument("--timeout", type=float, help="deadline of collectives and receives in seconds (default 60)")
+    p.add_argument("--rendezvous-timeout", type=float, default=120.0, help="seconds to wait for a membership")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="silence that declares a worker dead")
+    p.add_argument("--tls-cert", help="PEM certificate for TLS on every connection")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--tls-ca", help="PEM CA bundle: verify peers and require client certificates")
+    p.add_argument("--tls-server-name", help="name to verify in server certificates instead of the host")
+    return p
+
+
+def _run(argv: List[str]) -> int:
+    from elasticdl_strategy.launcher.local import LaunchConfig, LocalLauncher
+    from elasticdl_strategy.transport.options import TLSConfig
+
+    parser = _run_parser()
+    if "--" in argv:
+        split = argv.index("--")
+        options, command = argv[:split], argv[split + 1 :]
+    else:
+        options, command = argv, []
+    args = parser.parse_args(options)
+    try:
+        tls = None
+        if args.tls_cert or args.tls_key:
+            if not (args.tls_cert and args.tls_key):
+                raise ConfigError("--tls-cert and --tls-key go together")
+            tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+        config = LaunchConfig(
+            command=command,
+            workers=args.workers,
+            min_workers=args.min_workers if args.min_workers is not None else args.workers,
+            max_workers=args.max_workers if args.max_workers is not None else args.workers,
+            port=args.port,
+            host=args.host,
+            timeout_s=args.timeout,
+            rendezvous_timeout_s=args.rendezvous_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            tls=tls,
+        )
+    except ConfigError as e:
+        parser.error(str(e))
+    return LocalLauncher(config).run()
+
+
+def _coordinator(argv: List[str]) -> int:
+    from elasticdl_strategy.coordinator import server
+
+    parser = _OneLineParser(prog=f"{PROG} coordinator", description="Serve the rendezvous coordinator.")
+    server.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return server.run(args)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+_COMMANDS = {"run": _run, "coordinator": _coordinator}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().replace("The ``elasticdl-strategy`` command", f"usage: {PROG} COMMAND ...\n\nThe command"))
+        return 0 if argv else 2
+    command = _COMMANDS.get(argv[0])
+    if command is None:
+        sys.stderr.write(f"{PROG}: error: unknown command {argv[0]!r} (expected one of: {', '.join(_COMMANDS)})\n")
+        return 2
+    return command(argv[1:])

@@ -1,0 +1,423 @@
+"""Collectives for one membership: all-reduce, broadcast, gathers, scatters, barrier.
+
+Every collective message carries a :class:`CollectiveDescriptor` (sequence
+number, op, dtype, agreed shape, reduce op, root). Each rank compares the
+descriptors it receives with its own call; a difference aborts the collective
+on every rank with :class:`CollectiveMismatchError`. A peer failure, a
+mismatch or a timeout seen by one rank is broadcast to all (``Peer.Abort``) so
+nobody waits for its deadline. After such an error the communicator is
+*aborted*: every later collective raises the same error until a new
+communicator is built (the elastic layer does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from elasticdl_strategy.collective import ring
+from elasticdl_strategy.collective.dtypes import as_supported_array, check_reduce_op, dtype_name
+from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint
+from elasticdl_strategy.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    ConfigError,
+    PeerFailureError,
+)
+from elasticdl_strategy.transport.protos import peer_pb2
+
+logger = logging.getLogger(__name__)
+
+# Broadcasts up to this size go straight from the root to every rank; larger
+# ones are scattered and then all-gathered around the ring.
+_DIRECT_BROADCAST_BYTES = 256 << 10
+
+
+def _describe(d: peer_pb2.CollectiveDescriptor) -> str:
+    parts = []
+    if d.dtype:
+        parts.append(f"dtype={d.dtype}")
+    if d.op != "barrier" and d.op != "scatter":
+        shape = tuple("*" if x < 0 else x for x in d.shape)
+        parts.append(f"shape={shape}".replace("'*'", "*"))
+    if d.reduce_op:
+        parts.append(f"op={d.reduce_op}")
+    if d.root >= 0:
+        parts.append(f"root={d.root}")
+    return f"{d.op}({', '.join(parts)})"
+
+
+def _differences(mine: peer_pb2.CollectiveDescriptor, theirs: peer_pb2.CollectiveDescriptor) -> List[str]:
+    differs = [f for f in ("op", "dtype", "reduce_op", "root") if getattr(mine, f) != getattr(theirs, f)]
+    if list(mine.shape) != list(theirs.shape):
+        differs.append("shape")
+    return differs
+
+
+class Communicator:
+    """Collectives over the ranks of one membership.
+
+    Most code uses the module-level functions of :mod:`elasticdl_strategy.collective`,
+    which call the communicator made by ``collective.init()``.
+
+    Args:
+        p2p: the point-to-point endpoint of this membership.
+        timeout_s: default deadline of every collective.
+    """
+
+    def __init__(self, p2p: PointToPoint, timeout_s: Optional[float] = None):
+        self.p2p = p2p
+        self.timeout_s = timeout_s if timeout_s is not None else p2p.options.timeout_s
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._current: Optional[peer_pb2.CollectiveDescriptor] = None
+        self._early: Dict[int, List[tuple]] = {}
+        self._error_factory: Optional[Callable[[], CommunicationError]] = None
+        p2p.header_observer = self._observe
+        p2p.abort_observer = self._on_remote_abort
+        p2p._on_peer_failure = self._on_peer_failure
+
+    @property
+    def rank(self) -> int:
+        return self.p2p.rank
+
+    @property
+    def size(self) -> int:
+        return self.p2p.size
+
+    # ---- collectives ----------------------------------------------------------------------
+
+    def allreduce(self, array, op: str = "sum", out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
+        """Reduces ``array`` over all ranks; every rank gets the bitwise-identical result.
+
+        Args:
+            array: any shape, any size (0 included), a supported dtype.
+            op: "sum", "mean", "min", "max" or "prod".
+            out: optional C-contiguous array of the same shape and dtype to
+                write the result into (may be ``array`` itself, for in-place).
+            timeout: seconds; default the communicator's.
+
+        Returns:
+            the reduced array (``out`` when given).
+        """
+        array = as_supported_array(array)
+        ufunc = check_reduce_op(op, array.dtype)
+        result = self._output_buffer(array, out)
+        step = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
+        with self._running(step):
+            if self.size > 1:
+                ring.allreduce(step, result.reshape(-1), ufunc)
+                step.finish_sends()
+        if op == "mean":
+            np.divide(result, self.size, out=result, casting="unsafe")
+        return result
+
+    def reduce(self, array, root: int = 0, op: str = "sum", timeout: Optional[float] = None) -> Optional[np.ndarray]:
+        """Reduces ``array`` over all ranks onto ``root``; returns the result on root, ``None`` elsewhere."""
+        array = as_supported_array(array)
+        ufunc = check_reduce_op(op, array.dtype)
+        self._check_root(root)
+        work = np.array(array, copy=True)
+        step = self._begin("reduce", array.dtype, array.shape, reduce_op=op, root=root, timeout=timeout)
+        with self._running(step):
+            if self.size > 1:
+                flat = work.reshape(-1)
+                bounds = ring.even_bounds(flat.size, self.size)
+                ring.reduce_scatter(step, flat, bounds, ufunc, owned=0)
+                self._gather_segments(step, flat, bounds, root)
+                step.finish_sends()
+        if self.rank != root:
+            return None
+        if op == "mean":
+            np.divide(work, self.size, out=work, casting="unsafe")
+        return work
+
+    def reduce_scatter(self, array, op: str = "sum", timeout: Optional[float] = None) -> np.ndarray:
+        """Reduces ``array`` over all ranks and returns this rank's block of rows.
+
+        The first dimension is split as evenly as possible, the first
+        ``shape[0] % size`` ranks getting one row more (as ``np.array_split``).
+        """
+        array = as_supported_array(array)
+        ufunc = check_reduce_op(op, array.dtype)
+        if array.ndim == 0:
+            raise ConfigError("reduce_scatter needs an array with at least one dimension")
+        work = np.array(array, copy=True)
+        row_bounds = ring.even_bounds(array.shape[0], self.size)
+        row_elems = int(np.prod(array.shape[1:], dtype=np.int64))
+        bounds = [(a * row_elems, b * row_elems) for a, b in row_bounds]
+        step = self._begin("reduce_scatter", array.dtype, array.shape, reduce_op=op, timeout=timeout)
+        with self._running(step):
+            if self.size > 1:
+                ring.reduce_scatter(step, work.reshape(-1), bounds, ufunc, owned=0)
+                step.finish_sends()
+        start, stop = row_bounds[self.rank]
+        result = work[start:stop].copy()
+        if op == "mean":
+            np.divide(result, self.size, out=result, casting="unsafe")
+        return result
+
+    def broadcast(self, array, root: int = 0, timeout: Optional[float] = None) -> np.ndarray:
+        """Returns root's ``array`` on every rank; other ranks pass an array of the same shape and dtype."""
+        array = as_supported_array(array)
+        self._check_root(root)
+        result = np.array(array, copy=True)
+        step = self._begin("broadcast", array.dtype, array.shape, root=root, timeout=timeout)
+        with self._running(step):
+            if self.size > 1:
+                flat = result.reshape(-1)
+                if result.nbytes <= _DIRECT_BROADCAST_BYTES or self.size == 2:
+                    self._direct_broadcast(step, flat, root)
+                else:
+                    bounds = ring.even_bounds(flat.size, self.size)
+                    self._scatter_segments(step, flat, bounds, root)
+                    ring.allgather(step, flat, bounds, owned=0)
+                step.finish_sends()
+        return result
+
+    def allgather(self, array, timeout: Optional[float] = None) -> np.ndarray:
+        """Concatenates every rank's ``array`` along the first dimension, in rank order.
+
+        The first dimension may differ between ranks; the others and the dtype must agree.
+        """
+        array = as_supported_array(array)
+        if array.ndim == 0:
+            raise ConfigError("allgather needs an array with at least one dimension")
+        step = self._begin("allgather", array.dtype, (-1,) + array.shape[1:], timeout=timeout)
+        with self._running(step):
+            rows = np.zeros(self.size, np.int64)
+            rows[self.rank] = array.shape[0]
+            if self.size > 1:
+                ring.allgather(step, rows, ring.even_bounds(self.size, self.size), owned=0)
+            row_elems = int(np.prod(array.shape[1:], dtype=np.int64))
+            offsets = np.concatenate([[0], np.cumsum(rows)])
+            result = np.empty((int(offsets[-1]),) + array.shape[1:], array.dtype)
+            result[offsets[self.rank] : offsets[self.rank + 1]] = array
+            if self.size > 1:
+                bounds = [(int(offsets[i]) * row_elems, int(offsets[i + 1]) * row_elems) for i in range(self.size)]
+                ring.allgather(step, result.reshape(-1), bounds, owned=0)
+                step.finish_sends()
+        return result
+
+    def gather(self, array, root: int = 0, timeout: Optional[float] = None) -> Optional[np.ndarray]:
+        """Concatenates every rank's ``array`` along the first dimension on ``root``; ``None`` elsewhere."""
+        array = as_supported_array(array)
+        self._check_root(root)
+        if array.ndim == 0:
+            raise ConfigError("gather needs an array with at least one dimension")
+        step = self._begin("gather", array.dtype, (-1,) + array.shape[1:], root=root, timeout=timeout)
+        with self._running(step):
+            if self.rank != root:
+                step.send(array, root)
+                step.finish_sends()
+                return None
+            requests = {src: step.recv_new(src) for src in range(self.size) if src != root}
+            parts = [array if src == root else step.wait(requests[src]) for src in range(self.size)]
+        return np.concatenate(parts, axis=0)
+
+    def scatter(self, arrays: Optional[Sequence], root: int = 0, timeout: Optional[float] = None) -> np.ndarray:
+        """Sends ``arrays[i]`` from ``root`` to rank ``i``; returns this rank's array.
+
+        Only root's ``arrays`` is read (a list of ``size`` arrays); other ranks may pass ``None``.
+        """
+        self._check_root(root)
+        if self.rank == root:
+            if arrays is None or len(arrays) != self.size:
+                got = "None" if arrays is None else f"{len(arrays)} arrays"
+                raise ConfigError(f"scatter on root {root} needs a list of {self.size} arrays, got {got}")
+            arrays = [as_supported_array(a) for a in arrays]
+        step = self._begin("scatter", None, (), root=root, timeout=timeout)
+        with self._running(step):
+            if self.rank == root:
+                for dst in range(self.size):
+                    if dst != root:
+                        step.send(arrays[dst], dst)
+                step.finish_sends()
+                return arrays[root].copy()
+            return step.wait(step.recv_new(root))
+
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Returns once every rank has entered the barrier."""
+        step = self._begin("barrier", None, (), timeout=timeout)
+        with self._running(step):
+            if self.size > 1:
+                flags = np.zeros(self.size, np.uint8)
+                ring.allgather(step, flags, ring.even_bounds(self.size, self.size), owned=0)
+                step.finish_sends()
+
+    # ---- building blocks ------------------------------------------------------------------
+
+    def _direct_broadcast(self, step: ring.RingStep, flat: np.ndarray, root: int) -> None:
+        if self.rank == root:
+            for dst in range(self.size):
+                if dst != root:
+                    step.send(flat, dst)
+        else:
+            step.wait(step.recv_into(flat, root))
+
+    def _scatter_segments(self, step: ring.RingStep, flat: np.ndarray, bounds, root: int) -> None:
+        if self.rank == root:
+            for dst in range(self.size):
+                if dst != root:
+                    step.send(flat[bounds[dst][0] : bounds[dst][1]], dst)
+        else:
+            start, stop = bounds[self.rank]
+            step.wait(step.recv_into(flat[start:stop], root))
+
+    def _gather_segments(self, step: ring.RingStep, flat: np.ndarray, bounds, root: int) -> None:
+        if self.rank != root:
+            start, stop = bounds[self.rank]
+            step.send(flat[start:stop], root)
+            return
+        requests = [step.recv_into(flat[a:b], src) for src, (a, b) in enumerate(bounds) if src != root]
+        for request in requests:
+            step.wait(request)
+
+    def _output_buffer(self, array: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
+        if out is None:
+            return np.array(array, copy=True)
+        if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+            raise ConfigError(
+                f"out must be a C-contiguous array of shape {array.shape} and dtype {array.dtype}, "
+                f"got {getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}"
+            )
+        if out is not array:
+            np.copyto(out, array)
+        return out
+
+    def _check_root(self, root: int) -> None:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ConfigError(f"root={root!r} is not a rank (0..{self.size - 1})")
+
+    # ---- sequencing, mismatch detection, aborts -------------------------------------------
+
+    def _begin(self, op: str, dtype, shape, reduce_op: str = "", root: int = -1, timeout=None) -> ring.RingStep:
+        timeout = self.timeout_s if timeout is None else timeout
+        if not timeout > 0:
+            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
+        self._raise_if_aborted()
+        descriptor = peer_pb2.CollectiveDescriptor(
+            sequence=self._sequence,
+            op=op,
+            dtype=dtype_name(dtype) if dtype is not None else "",
+            shape=[int(x) for x in shape],
+            reduce_op=reduce_op,
+            root=root,
+        )
+        self._sequence += 1
+        with self._lock:
+            self._current = descriptor
+            early = self._early.pop(descriptor.sequence, [])
+        for src, theirs in early:
+            self._check(descriptor, src, theirs)
+        return ring.RingStep(self.p2p, descriptor, time.monotonic() + timeout)
+
+    def _running(self, step: ring.RingStep):
+        return _Running(self, step)
+
+    def _observe(self, src: int, theirs: peer_pb2.CollectiveDescriptor) -> None:
+        """Called from gRPC threads with the descriptor of every collective message."""
+        with self._lock:
+            current = self._current
+            if current is None or theirs.sequence > current.sequence:
+                self._early.setdefault(theirs.sequence, []).append((src, theirs))
+                return
+            if theirs.sequence < current.sequence:
+                return
+        self._check(current, src, theirs)
+
+    def _check(self, mine: peer_pb2.CollectiveDescriptor, src: int, theirs: peer_pb2.CollectiveDescriptor) -> None:
+        differs = _differences(mine, theirs)
+        if differs:
+            message = (
+                f"collective #{mine.sequence}: rank {self.rank} called {_describe(mine)} but rank {src} "
+                f"called {_describe(theirs)} (differs in {', '.join(differs)}); every rank must call the "
+                "same collectives in the same order with the same arguments"
+            )
+            ranks = sorted({self.rank, src})
+            self._abort(
+                lambda: CollectiveMismatchError(f"rank {self.rank}: {message}", ranks=ranks, rank=self.rank),
+                kind="mismatch",
+                reason=message,
+                ranks=ranks,
+            )
+
+    def _on_peer_failure(self, peer: int, reason: str, clean: bool) -> None:
+        if clean:
+            return  # a peer that shut down on purpose finished its collectives; pending receives from it fail alone
+        message = f"rank {peer} ({self.p2p.addresses[peer]}) failed: {reason}"
+        self._abort(
+            lambda: PeerFailureError(f"rank {self.rank}: {message}", peer_rank=peer, rank=self.rank),
+            kind="peer_failure",
+            reason=message,
+            ranks=[peer],
+        )
+
+    def _on_remote_abort(self, request: peer_pb2.AbortRequest) -> None:
+        message = f"rank {self.rank}: rank {request.src_rank} reports: {request.reason}"
+        ranks = list(request.ranks)
+        if request.kind == "peer_failure":
+            peer = ranks[0] if ranks else None
+            make = lambda: PeerFailureError(message, peer_rank=peer, rank=self.rank)  # noqa: E731
+        elif request.kind == "mismatch":
+            make = lambda: CollectiveMismatchError(message, ranks=ranks, rank=self.rank)  # noqa: E731
+        elif request.kind == "timeout":
+            make = lambda: CollectiveTimeoutError(message, waiting_for=ranks, rank=self.rank)  # noqa: E731
+        else:
+            make = lambda: CommunicationError(message, rank=self.rank)  # noqa: E731
+        self._abort(make, kind=None, reason=request.reason, ranks=ranks)
+
+    def _abort(self, make_error: Callable[[], CommunicationError], kind: Optional[str], reason: str, ranks) -> None:
+        """Fails the current and every later collective; tells the peers unless ``kind`` is None."""
+        with self._lock:
+            if self._error_factory is not None:
+                return
+            self._error_factory = make_error
+        logger.error("rank %d: collectives aborted: %s", self.rank, reason)
+        self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
+        if kind is not None:
+            self.p2p.send_abort(kind, reason, ranks)
+
+    def _raise_if_aborted(self) -> None:
+        if self._error_factory is not None:
+            raise self._error_factory()
+
+    def on_timeout(self, step: ring.RingStep, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+        waiting = sorted(set(error.waiting_for) | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
+        d = step.descriptor
+        message = (
+            f"collective #{d.sequence} {_describe(d)} did not complete within its deadline; "
+            f"rank {self.rank} is still waiting for rank(s) {waiting}"
+        )
+        self._abort(
+            lambda: CollectiveTimeoutError(f"rank {self.rank}: {message}", waiting_for=waiting, rank=self.rank),
+            kind="timeout",
+            reason=message,
+            ranks=waiting,
+        )
+        return CollectiveTimeoutError(f"rank {self.rank}: {message}", waiting_for=waiting, rank=self.rank)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ends the streams of this communicator; later calls raise CommunicatorClosedError."""
+        self.p2p.close(timeout)
+
+
+class _Running:
+    """Context for one collective: turns a timeout into an abort of all ranks."""
+
+    def __init__(self, communicator: Communicator, step: ring.RingStep):
+        self._communicator = communicator
+        self._step = step
+
+    def __enter__(self):
+        return self._step
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and issubclass(exc_type, CollectiveTimeoutError):
+            raise self._communicator.on_timeout(self._step, exc) from None
+        return False

@@ -1,0 +1,78 @@
+"""The array types and reduction operations the collectives support."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import ml_dtypes
+import numpy as np
+
+from elasticdl_strategy.errors import ConfigError
+
+SUPPORTED_DTYPES: Dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+
+_FLOATING = {"float16", "bfloat16", "float32", "float64"}
+
+# Element-wise reductions applied in place: ``ufunc(acc, incoming, out=acc)``.
+# "mean" reduces with add and divides once at the end.
+REDUCE_UFUNCS: Dict[str, Callable] = {
+    "sum": np.add,
+    "mean": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    try:
+        return SUPPORTED_DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"unsupported dtype {name!r}; supported: {', '.join(SUPPORTED_DTYPES)}") from None
+
+
+def as_supported_array(array) -> np.ndarray:
+    """Returns ``array`` as a C-contiguous, native-byte-order array of a supported dtype.
+
+    Raises:
+        ConfigError: the dtype is not supported.
+    """
+    array = np.asarray(array)
+    name = array.dtype.name
+    if name not in SUPPORTED_DTYPES or array.dtype != SUPPORTED_DTYPES[name]:
+        if array.dtype.kind in "biuf" and not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+            name = array.dtype.name
+        if name not in SUPPORTED_DTYPES:
+            raise ConfigError(f"unsupported dtype {array.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return np.ascontiguousarray(array)
+
+
+def check_reduce_op(op: str, dtype: np.dtype) -> Callable:
+    """Returns the ufunc of reduction ``op`` for ``dtype``.
+
+    Raises:
+        ConfigError: unknown op, or one that is not meaningful for the dtype
+            (``mean`` of integers or booleans, ``sum``/``prod`` of booleans).
+    """
+    if op not in REDUCE_UFUNCS:
+        raise ConfigError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_UFUNCS)}")
+    name = dtype_name(dtype)
+    if op == "mean" and name not in _FLOATING:
+        raise ConfigError(f"op='mean' needs a floating dtype, got {name}; use op='sum' and divide")
+    if name == "bool" and op not in ("min", "max"):
+        raise ConfigError(f"op={op!r} is not defined for bool; use 'min' (logical and) or 'max' (logical or)")
+    return REDUCE_UFUNCS[op]

@@ -1,0 +1,245 @@
+"""Matching of incoming messages to receives, by (sender, channel, tag, sequence).
+
+Each sender numbers its messages per (receiver, channel, tag); each receive
+takes the next number for its (sender, channel, tag). A message that arrives
+before its receive is posted is kept (as the received frames, without copying)
+until the receive claims it; a receive posted first gets the bytes written
+straight into its :class:`Sink` as the chunks arrive, which for reductions
+means the data is reduced while the rest is still on the wire.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent import futures
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from elasticdl_strategy.collective.dtypes import dtype_from_name
+from elasticdl_strategy.errors import CollectiveMismatchError, CommunicationError
+from elasticdl_strategy.transport.protos import peer_pb2
+
+Key = Tuple[int, int, int, int]  # (src, channel, tag, sequence)
+
+
+class Sink:
+    """Where the bytes of one received message go.
+
+    ``begin`` sees the header before any byte and may reject it by raising
+    :class:`CommunicationError`; ``write`` stores a chunk at its byte offset;
+    ``result`` is what the receive returns.
+    """
+
+    def begin(self, src: int, header: peer_pb2.MessageHeader) -> None:
+        raise NotImplementedError
+
+    def write(self, offset: int, data: memoryview) -> None:
+        raise NotImplementedError
+
+    def result(self):
+        return None
+
+
+class ArraySink(Sink):
+    """Receives into ``out`` (checked against the message) or into a new array shaped by the header."""
+
+    def __init__(self, rank: int, out: Optional[np.ndarray] = None):
+        self._rank = rank
+        self._out = out
+        self._bytes: Optional[np.ndarray] = None
+
+    def begin(self, src: int, header: peer_pb2.MessageHeader) -> None:
+        if self._out is None:
+            self._out = np.empty(tuple(header.shape), dtype_from_name(header.dtype))
+        elif self._out.nbytes != header.nbytes:
+            raise CollectiveMismatchError(
+                f"rank {self._rank}: the message from rank {src} holds {header.nbytes} bytes "
+                f"(dtype {header.dtype}, shape {tuple(header.shape)}) but the receive buffer holds "
+                f"{self._out.nbytes} (dtype {self._out.dtype}, shape {self._out.shape})",
+                ranks=(src, self._rank),
+                rank=self._rank,
+            )
+        self._bytes = self._out.reshape(-1).view(np.uint8)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self._bytes[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def result(self) -> np.ndarray:
+        return self._out
+
+
+class ReduceSink(Sink):
+    """Reduces incoming elements into the 1-D array ``acc`` in place: ``acc = ufunc(acc, incoming)``."""
+
+    def __init__(self, rank: int, acc: np.ndarray, ufunc: Callable):
+        self._rank = rank
+        self._acc = acc
+        self._ufunc = ufunc
+
+    def begin(self, src: int, header: peer_pb2.MessageHeader) -> None:
+        if header.nbytes != self._acc.nbytes:
+            raise CollectiveMismatchError(
+                f"rank {self._rank}: rank {src} sent a {header.nbytes}-byte segment where "
+                f"{self._acc.nbytes} bytes were expected",
+                ranks=(src, self._rank),
+                rank=self._rank,
+            )
+
+    def write(self, offset: int, data: memoryview) -> None:
+        itemsize = self._acc.itemsize
+        start = offset // itemsize
+        incoming = np.frombuffer(data, self._acc.dtype)
+        part = self._acc[start : start + len(incoming)]
+        self._ufunc(part, incoming, out=part)
+
+
+class _Entry:
+    """One message, from arrival or posting to completion."""
+
+    __slots__ = ("src", "channel", "lock", "header", "sink", "buffered", "arrived", "future")
+
+    def __init__(self, src: int, channel: int):
+        self.src = src
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.header: Optional[peer_pb2.MessageHeader] = None
+        self.sink: Optional[Sink] = None
+        self.buffered: List[Tuple[int, memoryview]] = []
+        self.arrived = False  # every byte has been received
+        self.future: futures.Future = futures.Future()
+
+    # Called by the stream receiver (MessageWriter protocol).
+    def write(self, offset: int, data: memoryview) -> None:
+        with self.lock:
+            if self.future.done():
+                return  # failed: drop the rest of the message
+            if self.sink is None:
+                self.buffered.append((offset, data))
+            else:
+                self._apply(lambda: self.sink.write(offset, data))
+
+    def finish(self) -> None:
+        with self.lock:
+            self.arrived = True
+            self._complete_if_ready()
+
+    def set_header(self, header: peer_pb2.MessageHeader) -> None:
+        with self.lock:
+            self.header = header
+            if self.sink is not None:
+                self._apply(lambda: self.sink.begin(self.src, header))
+
+    def attach(self, sink: Sink) -> None:
+        with self.lock:
+            self.sink = sink
+            if self.header is not None:
+                self._apply(lambda: sink.begin(self.src, self.header))
+                for offset, data in self.buffered:
+                    self._apply(lambda: sink.write(offset, data))
+                self.buffered = []
+            self._complete_if_ready()
+
+    def fail(self, error: BaseException) -> bool:
+        with self.lock:
+            if self.future.done():
+                return False
+            self.future.set_exception(error)
+            self.buffered = []
+            return True
+
+    def _apply(self, step: Callable[[], None]) -> None:
+        if self.future.done():
+            return
+        try:
+            step()
+        except CommunicationError as e:
+            self.future.set_exception(e)
+            self.buffered = []
+
+    def _complete_if_ready(self) -> None:
+        if self.arrived and self.sink is not None and not self.future.done():
+            self.future.set_result(self.sink.result())
+
+
+class Mailbox:
+    """Pairs messages with receives; fails receives when a peer or a channel fails.
+
+    Thread-safe: stream receivers deliver from gRPC threads while callers post.
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._lock = threading.Lock()
+        self._next_sequence: Dict[Tuple[int, int, int], int] = collections.defaultdict(int)
+        self._unmatched: Dict[Key, _Entry] = {}
+        self._posted: Dict[Key, _Entry] = {}
+        self._failed_sources: Dict[int, Callable[[], BaseException]] = {}
+        self._failed_channels: Dict[int, Callable[[], BaseException]] = {}
+
+    def post(self, src: int, channel: int, tag: int, sink: Sink) -> futures.Future:
+        """Posts a receive of the next message from ``src`` on (channel, tag).
+
+        Returns:
+            a future with ``sink.result()``, or the error that failed it.
+        """
+        with self._lock:
+            seq_key = (src, channel, tag)
+            key = (src, channel, tag, self._next_sequence[seq_key])
+            self._next_sequence[seq_key] += 1
+            entry = self._unmatched.pop(key, None)
+            if entry is None:
+                entry = _Entry(src, channel)
+                error = self._failed_channels.get(channel) or self._failed_sources.get(src)
+                if error is not None:
+                    entry.fail(error())
+                    return entry.future
+                self._posted[key] = entry
+        entry.attach(sink)
+        if entry.future.done():
+            with self._lock:
+                self._posted.pop(key, None)
+        else:
+            entry.future.add_done_callback(lambda _: self._forget(key))
+        return entry.future
+
+    def deliver(self, src: int, header: peer_pb2.MessageHeader) -> _Entry:
+        """Called for each arriving message header; returns the writer for its bytes."""
+        key = (src, header.channel, header.tag, header.sequence)
+        with self._lock:
+            entry = self._posted.get(key)
+            if entry is None:
+                entry = _Entry(src, header.channel)
+                self._unmatched[key] = entry
+        entry.set_header(header)
+        return entry
+
+    def fail_source(self, src: int, make_error: Callable[[], BaseException]) -> None:
+        """Fails every incomplete message from ``src``, now and for later receives.
+
+        Messages from ``src`` that had fully arrived can still be received.
+        """
+        with self._lock:
+            self._failed_sources.setdefault(src, make_error)
+            entries = [e for e in list(self._posted.values()) + list(self._unmatched.values()) if e.src == src]
+        for entry in entries:
+            if not entry.arrived:
+                entry.fail(make_error())
+
+    def fail_channel(self, channel: int, make_error: Callable[[], BaseException]) -> None:
+        """Fails every pending receive on ``channel``, now and for later receives."""
+        with self._lock:
+            self._failed_channels.setdefault(channel, make_error)
+            entries = [e for e in self._posted.values() if e.channel == channel]
+        for entry in entries:
+            entry.fail(make_error())
+
+    def waiting_on(self, channel: int) -> Set[int]:
+        """Ranks with a posted, incomplete receive on ``channel``."""
+        with self._lock:
+            return {e.src for e in self._posted.values() if e.channel == channel and not e.future.done()}
+
+    def _forget(self, key: Key) -> None:
+        with self._lock:
+            self._posted.pop(key, None)

@@ -1,0 +1,343 @@
+"""Point-to-point messaging between the ranks of one membership.
+
+:class:`PointToPoint` owns one outbound ``Transfer`` stream per peer (opened on
+first use) and the :class:`~elasticdl_strategy.collective.mailbox.Mailbox`
+that matches incoming messages to receives. It is the layer the collectives
+are built on, and is exposed to users as ``collective.send`` / ``recv`` /
+``isend`` / ``irecv``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Dict, List, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from elasticdl_strategy.collective.dtypes import as_supported_array, dtype_name
+from elasticdl_strategy.collective.mailbox import ArraySink, Mailbox, Sink
+from elasticdl_strategy.errors import (
+    CollectiveTimeoutError,
+    CommunicationError,
+    CommunicatorClosedError,
+    ConfigError,
+    PeerFailureError,
+)
+from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort
+from elasticdl_strategy.transport.frames import encode_header
+from elasticdl_strategy.transport.protos import peer_pb2
+
+logger = logging.getLogger(__name__)
+
+USER_CHANNEL = 0
+COLLECTIVE_CHANNEL = 1
+
+
+class Request:
+    """A pending send or receive, as returned by ``isend`` and ``irecv``.
+
+    Example::
+
+        req = collective.irecv(src=0, tag=7)
+        ...                      # overlap other work
+        array = req.wait(timeout=10)
+    """
+
+    def __init__(self, future: futures.Future, describe: Callable[[], str], peer: int, default_timeout: float, rank: int):
+        self._future = future
+        self._describe = describe
+        self._peer = peer
+        self._default_timeout = default_timeout
+        self._rank = rank
+
+    def done(self) -> bool:
+        """True once the operation completed or failed; never blocks."""
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Waits for completion and returns the received array (``None`` for a send).
+
+        Args:
+            timeout: seconds; ``None`` means the communicator's default timeout.
+
+        Raises:
+            CollectiveTimeoutError: not complete within ``timeout``.
+            PeerFailureError: the peer failed or left.
+            CollectiveMismatchError: the message does not fit the receive buffer.
+        """
+        timeout = self._default_timeout if timeout is None else timeout
+        try:
+            return self._future.result(timeout=timeout)
+        except futures.TimeoutError:
+            raise CollectiveTimeoutError(
+                f"rank {self._rank}: {self._describe()} did not complete within {timeout:g}s "
+                f"(waiting for rank {self._peer})",
+                waiting_for=(self._peer,),
+                rank=self._rank,
+            ) from None
+
+
+def wait_all(requests: Sequence[Request], deadline: float) -> List:
+    """Waits for every request until the monotonic ``deadline``; returns their results in order."""
+    return [r.wait(timeout=max(0.0, deadline - time.monotonic())) for r in requests]
+
+
+class PointToPoint:
+    """Matched point-to-point messaging for one membership version.
+
+    Args:
+        rank: this process's rank.
+        addresses: ``host:port`` of every rank's peer server, indexed by rank.
+        membership_version: version of the membership these ranks come from.
+        token: the job token.
+        options: transport settings.
+        on_peer_failure: called (from a gRPC thread) with ``(peer_rank, reason, clean)``
+            the first time a peer's stream ends; ``clean`` is True when the peer
+            closed its communicator on purpose.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: Sequence[str],
+        membership_version: int,
+        token: str,
+        options: TransportOptions,
+        worker_id: str = "",
+        on_peer_failure: Optional[Callable[[int, str, bool], None]] = None,
+    ):
+        if not 0 <= rank < len(addresses):
+            raise ConfigError(f"rank {rank} is outside a membership of {len(addresses)} workers")
+        self.rank = rank
+        self.size = len(addresses)
+        self.addresses = list(addresses)
+        self.membership_version = membership_version
+        self.options = options
+        self._token = token
+        self._worker_id = worker_id
+        self._on_peer_failure = on_peer_failure
+        # Set by the communicator: called with (src, CollectiveDescriptor) for every collective message.
+        self.header_observer: Optional[Callable[[int, peer_pb2.CollectiveDescriptor], None]] = None
+        # Set by the communicator: called with every AbortRequest a peer sends.
+        self.abort_observer: Optional[Callable[[peer_pb2.AbortRequest], None]] = None
+        self.mailbox = Mailbox(rank)
+        self._lock = threading.Lock()
+        self._channels: Dict[int, grpc.Channel] = {}
+        self._streams: Dict[int, OutboundStream] = {}
+        self._send_sequence: Dict[tuple, int] = {}
+        self._failed: Dict[int, str] = {}
+        self._closed = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.messages_sent = 0
+        self.messages_received = 0
+
+    # ---- sending --------------------------------------------------------------------------
+
+    def isend(
+        self,
+        array: np.ndarray,
+        dst: int,
+        tag: int = 0,
+        channel: int = USER_CHANNEL,
+        collective: Optional[peer_pb2.CollectiveDescriptor] = None,
+    ) -> Request:
+        """Queues ``array`` for ``dst`` and returns at once.
+
+        The array must not be modified until the request is done.
+        """
+        array = as_supported_array(array)
+        self._check_peer(dst, "send to")
+        payload = array.reshape(-1).view(np.uint8)
+        with self._lock:
+            seq_key = (dst, channel, tag)
+            sequence = self._send_sequence.get(seq_key, 0)
+            self._send_sequence[seq_key] = sequence + 1
+        header = peer_pb2.MessageHeader(
+            channel=channel,
+            tag=tag,
+            sequence=sequence,
+            nbytes=payload.nbytes,
+            chunk_size=self.options.chunk_size,
+            dtype=dtype_name(array.dtype),
+            shape=array.shape,
+            collective=collective,
+        )
+        inline = payload.nbytes <= self.options.inline_threshold
+        if inline:
+            header.inline_data = payload.tobytes()
+        self.bytes_sent += payload.nbytes
+        self.messages_sent += 1
+        describe = lambda: f"send to rank {dst} (tag {tag})"  # noqa: E731
+        if dst == self.rank:
+            return self._send_to_self(header, payload, describe)
+        message = OutgoingMessage(encode_header(header), memoryview(payload)[:0] if inline else memoryview(payload), self.options.chunk_size)
+        self._stream_to(dst).submit(message)
+        return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
+
+    def send(self, array: np.ndarray, dst: int, tag: int = 0, timeout: Optional[float] = None) -> None:
+        """Sends ``array`` to ``dst`` and returns once it has been handed to the transport."""
+        self.isend(array, dst, tag).wait(timeout)
+
+    def _send_to_self(self, header, payload: np.ndarray, describe) -> Request:
+        writer = self.mailbox.deliver(self.rank, header)
+        writer.write(0, memoryview(payload.tobytes()))
+        writer.finish()
+        done: futures.Future = futures.Future()
+        done.set_result(None)
+        return Request(done, describe, self.rank, self.options.timeout_s, self.rank)
+
+    # ---- receiving ------------------------------------------------------------------------
+
+    def irecv(
+        self,
+        src: int,
+        tag: int = 0,
+        out: Optional[np.ndarray] = None,
+        channel: int = USER_CHANNEL,
+        sink: Optional[Sink] = None,
+    ) -> Request:
+        """Posts a receive of the next message from ``src`` with ``tag``; returns at once.
+
+        With ``out``, the message is written into it (its size must match);
+        otherwise a new array with the sender's dtype and shape is returned.
+        """
+        self._check_peer(src, "receive from", allow_failed=True)
+        if out is not None and (not isinstance(out, np.ndarray) or not out.flags.c_contiguous):
+            raise ConfigError("out must be a C-contiguous numpy array")
+        sink = sink or ArraySink(self.rank, out)
+        future = self.mailbox.post(src, channel, tag, sink)
+        return Request(future, lambda: f"receive from rank {src} (tag {tag})", src, self.options.timeout_s, self.rank)
+
+    def recv(self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
+        """Receives the next message from ``src`` with ``tag``; see :meth:`irecv`."""
+        return self.irecv(src, tag, out).wait(timeout)
+
+    # ---- the StreamListener side, called by the worker server -----------------------------
+
+    def open_stream(self, hello: peer_pb2.StreamHello) -> "_InboundStream":
+        if hello.membership_version != self.membership_version:
+            raise ValueError(
+                f"stream from membership version {hello.membership_version}, this worker is at {self.membership_version}"
+            )
+        if not 0 <= hello.src_rank < self.size or hello.src_rank == self.rank:
+            raise ValueError(f"stream from invalid rank {hello.src_rank} (size {self.size})")
+        return _InboundStream(self, hello.src_rank)
+
+    # ---- failures -------------------------------------------------------------------------
+
+    def peer_failed(self, peer: int, reason: str, clean: bool = False) -> None:
+        """Marks ``peer`` as gone: its incomplete and later receives raise PeerFailureError."""
+        with self._lock:
+            if peer in self._failed or self._closed:
+                return
+            self._failed[peer] = reason
+        if not clean:
+            logger.warning("rank %d: rank %d failed: %s", self.rank, peer, reason)
+        self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
+        if self._on_peer_failure is not None:
+            self._on_peer_failure(peer, reason, clean)
+
+    def on_abort(self, request: peer_pb2.AbortRequest) -> None:
+        if self.abort_observer is not None and 0 <= request.src_rank < self.size:
+            self.abort_observer(request)
+
+    def failed_peers(self) -> Dict[int, str]:
+        with self._lock:
+            return dict(self._failed)
+
+    def _peer_error(self, peer: int) -> PeerFailureError:
+        return PeerFailureError(
+            f"rank {self.rank}: rank {peer} ({self.addresses[peer]}) failed: {self._failed.get(peer, 'unknown')}",
+            peer_rank=peer,
+            rank=self.rank,
+        )
+
+    def _check_peer(self, peer: int, what: str, allow_failed: bool = False) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+            raise ConfigError(f"cannot {what} rank {peer!r}: ranks are 0..{self.size - 1}")
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {self.rank}: the communicator is shut down", rank=self.rank)
+        if peer in self._failed and not allow_failed:
+            raise self._peer_error(peer)
+
+    def send_abort(self, kind: str, reason: str, ranks: Sequence[int]) -> None:
+        """Tells every live peer that the current collective failed (best effort, no waiting)."""
+        request = peer_pb2.AbortRequest(
+            src_rank=self.rank, membership_version=self.membership_version, kind=kind, reason=reason, ranks=list(ranks)
+        )
+        for peer in range(self.size):
+            if peer != self.rank and peer not in self._failed:
+                try:
+                    send_abort(self._channel_to(peer), self._token, request, self.options.connect_timeout_s)
+                except Exception:  # the peer may be gone; it learns of the abort another way
+                    logger.debug("abort to rank %d not sent", peer, exc_info=True)
+
+    # ---- streams and shutdown -------------------------------------------------------------
+
+    def _channel_to(self, peer: int) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(peer)
+            if channel is None:
+                channel = open_channel(self.addresses[peer], self.options)
+                self._channels[peer] = channel
+            return channel
+
+    def _stream_to(self, dst: int) -> OutboundStream:
+        stream = self._streams.get(dst)
+        if stream is None:
+            channel = self._channel_to(dst)
+            with self._lock:
+                stream = self._streams.get(dst)
+                if stream is None:
+                    hello = peer_pb2.StreamHello(
+                        src_rank=self.rank, membership_version=self.membership_version, worker_id=self._worker_id
+                    )
+                    stream = OutboundStream(channel, hello, self._token, dst, lambda reason: self.peer_failed(dst, reason))
+                    self._streams[dst] = stream
+        return stream
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flushes and ends every stream, then closes the channels. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            streams, channels = list(self._streams.values()), list(self._channels.values())
+        deadline = time.monotonic() + timeout
+        for stream in streams:
+            stream.close(timeout=max(0.1, deadline - time.monotonic()))
+        for channel in channels:
+            channel.close()
+        closed = lambda: CommunicatorClosedError(f"rank {self.rank}: the communicator is shut down", rank=self.rank)  # noqa: E731
+        self.mailbox.fail_channel(USER_CHANNEL, closed)
+        self.mailbox.fail_channel(COLLECTIVE_CHANNEL, closed)
+
+
+class _InboundStream:
+    """Receives one peer's stream into the mailbox (StreamReceiver protocol)."""
+
+    def __init__(self, p2p: PointToPoint, src: int):
+        self._p2p = p2p
+        self._src = src
+
+    def on_header(self, header: peer_pb2.MessageHeader):
+        p2p = self._p2p
+        p2p.bytes_received += header.nbytes
+        p2p.messages_received += 1
+        if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
+            p2p.header_observer(self._src, header.collective)
+        return p2p.mailbox.deliver(self._src, header)
+
+    def on_closed(self, error: Optional[str]) -> None:
+        if error is not None:
+            self._p2p.peer_failed(self._src, error)
+        else:
+            self._p2p.peer_failed(self._src, "it closed its communicator (shut down or left)", clean=True)
+

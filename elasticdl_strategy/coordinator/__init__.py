@@ -1,0 +1,6 @@
+"""Layer 3: rendezvous, membership versions and heartbeats."""
+
+from elasticdl_strategy.coordinator.coordinator import Coordinator, CoordinatorParams
+from elasticdl_strategy.coordinator.membership import Member, Membership
+
+__all__ = ["Coordinator", "CoordinatorParams", "Member", "Membership"]

@@ -1,0 +1,155 @@
+"""The worker's side of the coordinator: register, wait for a membership, heartbeat, leave."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import grpc
+
+from elasticdl_strategy.coordinator.membership import Membership
+from elasticdl_strategy.errors import AuthenticationError, RendezvousError, RendezvousTimeoutError
+from elasticdl_strategy.transport.auth import call_metadata
+from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_RPC_TIMEOUT_S = 10.0
+_RETRY_PAUSE_S = 0.2
+
+
+class CoordinatorClient:
+    """Talks to the coordinator at ``address`` on behalf of worker ``worker_id``.
+
+    Example::
+
+        client = CoordinatorClient("127.0.0.1:50051", "worker-0", token, TransportOptions())
+        client.register("127.0.0.1:40001", timeout=60)
+        membership = client.wait_for_membership(after_version=0, timeout=60)
+        client.start_heartbeats(on_version=lambda v: ...)
+    """
+
+    def __init__(self, address: str, worker_id: str, token: str, options: TransportOptions):
+        self.address = address
+        self.worker_id = worker_id
+        self._metadata = call_metadata(token)
+        self._channel = open_channel(address, options)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self.heartbeat_interval_s = 1.0
+        self._stop = threading.Event()
+        self._heartbeats: Optional[threading.Thread] = None
+
+    def _call(self, method, request, timeout: float):
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise AuthenticationError(
+                    f"the coordinator at {self.address} rejected worker {self.worker_id}: {e.details()} "
+                    "(check EDL_JOB_TOKEN)"
+                ) from None
+            raise
+
+    def register(self, address: str, timeout: float) -> int:
+        """Registers this worker's peer ``address``, retrying until ``timeout``.
+
+        Returns:
+            the join order (1 for the first worker of the job).
+
+        Raises:
+            RendezvousError: the coordinator could not be reached in time or refused the worker.
+            AuthenticationError: the job token was rejected.
+        """
+        deadline = time.monotonic() + timeout
+        request = coordinator_pb2.RegisterRequest(worker_id=self.worker_id, address=address)
+        while True:
+            try:
+                response = self._call(self._stub.Register, request, min(_RPC_TIMEOUT_S, timeout))
+                self.heartbeat_interval_s = response.heartbeat_interval_s or self.heartbeat_interval_s
+                return response.join_order
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise RendezvousError(
+                        f"worker {self.worker_id}: the coordinator at {self.address} refused registration: "
+                        f"{e.code().name}: {e.details()}"
+                    ) from None
+                if time.monotonic() + _RETRY_PAUSE_S > deadline:
+                    raise RendezvousError(
+                        f"worker {self.worker_id}: cannot reach the coordinator at {self.address} "
+                        f"within {timeout:g}s ({e.code().name}: {e.details()}); is it running?"
+                    ) from None
+            time.sleep(_RETRY_PAUSE_S)
+
+    def wait_for_membership(self, after_version: int, timeout: float) -> Membership:
+        """Waits for a membership newer than ``after_version`` that contains this worker.
+
+        Raises:
+            RendezvousTimeoutError: none was published within ``timeout``;
+                the message says how many workers had registered.
+        """
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            remaining = deadline - time.monotonic()
+            request = coordinator_pb2.GetMembershipRequest(
+                worker_id=self.worker_id, after_version=after_version, wait_s=max(0.0, min(remaining, 30.0))
+            )
+            try:
+                last = self._call(self._stub.GetMembership, request, request.wait_s + _RPC_TIMEOUT_S)
+                membership = Membership.from_proto(last.membership)
+                if membership.version > after_version and membership.rank_of(self.worker_id) >= 0:
+                    return membership
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise RendezvousError(f"worker {self.worker_id}: GetMembership failed: {e.details()}") from None
+                time.sleep(_RETRY_PAUSE_S)
+            if time.monotonic() >= deadline:
+                if last is None:
+                    raise RendezvousTimeoutError(
+                        f"worker {self.worker_id}: no answer from the coordinator at {self.address} within {timeout:g}s"
+                    )
+                raise RendezvousTimeoutError(
+                    f"worker {self.worker_id}: no membership within {timeout:g}s: {last.registered} worker(s) "
+                    f"registered, at least {last.min_workers} needed (raise EDL_RENDEZVOUS_TIMEOUT, "
+                    "or start more workers / lower --min-workers)"
+                )
+
+    def heartbeat(self, membership_version: int) -> coordinator_pb2.HeartbeatResponse:
+        request = coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, membership_version=membership_version)
+        return self._call(self._stub.Heartbeat, request, _RPC_TIMEOUT_S)
+
+    def start_heartbeats(self, current_version: Callable[[], int], on_response: Callable[[coordinator_pb2.HeartbeatResponse], None]) -> None:
+        """Heartbeats every ``heartbeat_interval_s`` in a daemon thread, passing each response on."""
+
+        def loop():
+            while not self._stop.wait(self.heartbeat_interval_s):
+                try:
+                    on_response(self.heartbeat(current_version()))
+                except grpc.RpcError as e:
+                    logger.warning("worker %s: heartbeat failed: %s", self.worker_id, e.code().name)
+                except Exception:
+                    logger.exception("worker %s: heartbeat handler failed", self.worker_id)
+
+        self._heartbeats = threading.Thread(target=loop, name="edl-heartbeat", daemon=True)
+        self._heartbeats.start()
+
+    def get_membership(self) -> Membership:
+        request = coordinator_pb2.GetMembershipRequest(worker_id=self.worker_id, after_version=-1, wait_s=0)
+        return Membership.from_proto(self._call(self._stub.GetMembership, request, _RPC_TIMEOUT_S).membership)
+
+    def leave(self, reason: str) -> None:
+        """Tells the coordinator this worker is leaving; best effort."""
+        try:
+            self._call(self._stub.Leave, coordinator_pb2.LeaveRequest(worker_id=self.worker_id, reason=reason), 2.0)
+        except (grpc.RpcError, AuthenticationError) as e:
+            logger.debug("leave not delivered: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join(timeout=_RPC_TIMEOUT_S + 1)
+        self._channel.close()

@@ -1,0 +1,59 @@
+"""The membership a worker sees: who is in the job, in which order, at which version."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+from elasticdl_strategy.transport.protos import coordinator_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    worker_id: str
+    address: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """A published membership. Ranks are positions in ``members`` (join order, oldest first).
+
+    Example::
+
+        m = Membership(3, (Member("a", "10.0.0.1:7000"), Member("b", "10.0.0.2:7000")))
+        m.rank_of("b")   # 1
+        m.size           # 2
+    """
+
+    version: int
+    members: Tuple[Member, ...]
+    reason: str = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def addresses(self) -> Tuple[str, ...]:
+        return tuple(m.address for m in self.members)
+
+    def rank_of(self, worker_id: str) -> int:
+        """Returns the rank of ``worker_id``, or -1 when it is not a member."""
+        for rank, member in enumerate(self.members):
+            if member.worker_id == worker_id:
+                return rank
+        return -1
+
+    def to_proto(self) -> coordinator_pb2.Membership:
+        return coordinator_pb2.Membership(
+            version=self.version,
+            members=[coordinator_pb2.Member(worker_id=m.worker_id, address=m.address) for m in self.members],
+            reason=self.reason,
+        )
+
+    @classmethod
+    def from_proto(cls, proto: coordinator_pb2.Membership) -> "Membership":
+        return cls(proto.version, tuple(Member(m.worker_id, m.address) for m in proto.members), proto.reason)
+
+
+EMPTY = Membership(0, ())

@@ -1,0 +1,97 @@
+"""Running the coordinator as a process: ``elasticdl-strategy coordinator ...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import List, Optional
+
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from elasticdl_strategy.coordinator.coordinator import Coordinator, CoordinatorParams
+from elasticdl_strategy.transport.auth import validate_token
+from elasticdl_strategy.transport.endpoints import start_server
+from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
+from elasticdl_strategy.transport.protos import coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorServer:
+    """A :class:`Coordinator` served over gRPC with token auth and gRPC health.
+
+    Example::
+
+        server = CoordinatorServer(CoordinatorParams(2, 2, 2), "127.0.0.1:0", token, TransportOptions())
+        address = f"127.0.0.1:{server.port}"
+        ...
+        server.stop()
+    """
+
+    def __init__(self, params: CoordinatorParams, bind: str, token: str, options: TransportOptions):
+        self.coordinator = Coordinator(params)
+        self.health = health.HealthServicer()
+        def register(server):
+            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+
+        self._server, self.port = start_server([], bind, validate_token(token), options, max_workers=64, register=register)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.coordinator.start_reaper()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.coordinator.stop()
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait(timeout=grace + 1.0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="127.0.0.1", help="host to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    parser.add_argument("--port-file", help="write the bound port to this file once serving")
+    parser.add_argument("--workers", type=int, default=1, help="workers expected for the first membership")
+    parser.add_argument("--min-workers", type=int, help="fewest workers to train with (default: --workers)")
+    parser.add_argument("--max-workers", type=int, help="most workers in a membership (default: --workers)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="silence that declares a worker dead")
+    parser.add_argument("--last-call", type=float, default=5.0, help="seconds to wait for more than --min-workers")
+
+
+def params_from_args(args: argparse.Namespace) -> CoordinatorParams:
+    return CoordinatorParams(
+        min_workers=args.min_workers if args.min_workers is not None else args.workers,
+        max_workers=args.max_workers if args.max_workers is not None else args.workers,
+        target_workers=args.workers,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        last_call_s=args.last_call,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM or SIGINT; the job token comes from ``EDL_JOB_TOKEN``."""
+    params = params_from_args(args)
+    options = TransportOptions(tls=TLSConfig.from_env(os.environ))
+    server = CoordinatorServer(params, f"{args.bind}:{args.port}", os.environ.get("EDL_JOB_TOKEN"), options)
+    logger.info("coordinator serving on %s:%d", args.bind, server.port)
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(server.port))
+        os.replace(tmp, args.port_file)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    server.stop()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="elasticdl-strategy coordinator")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

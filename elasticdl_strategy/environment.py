@@ -1,0 +1,87 @@
+"""The environment the launchers hand to every worker, read by ``collective.init()``.
+
+=========================  ===================================================
+Variable                   Meaning
+=========================  ===================================================
+EDL_COORDINATOR_ADDR       ``host:port`` of the coordinator; unset: single worker
+EDL_JOB_TOKEN              the job's secret, carried by every RPC
+EDL_WORKER_ID              stable id of this worker (unique in the job)
+EDL_BIND_HOST              interface the peer server listens on (default 127.0.0.1)
+EDL_ADVERTISE_HOST         host peers dial (default: EDL_BIND_HOST, or the pod IP)
+EDL_RENDEZVOUS_TIMEOUT     seconds to wait for a membership (default 120)
+EDL_TIMEOUT                default deadline of collectives and receives (default 60)
+EDL_CHUNK_SIZE             bytes per streamed chunk (default 4 MiB)
+EDL_CONNECT_TIMEOUT        seconds to wait for a peer's server (default 10)
+EDL_KEEPALIVE              seconds between HTTP/2 keepalive pings (default 2)
+EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)
+=========================  ===================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.auth import validate_token
+from elasticdl_strategy.transport.options import TransportOptions
+
+COORDINATOR_ADDR = "EDL_COORDINATOR_ADDR"
+JOB_TOKEN = "EDL_JOB_TOKEN"
+WORKER_ID = "EDL_WORKER_ID"
+BIND_HOST = "EDL_BIND_HOST"
+ADVERTISE_HOST = "EDL_ADVERTISE_HOST"
+RENDEZVOUS_TIMEOUT = "EDL_RENDEZVOUS_TIMEOUT"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnvironment:
+    """Everything a worker needs to join its job, parsed and validated."""
+
+    coordinator_address: str
+    token: str
+    worker_id: str
+    bind_host: str = "127.0.0.1"
+    advertise_host: Optional[str] = None
+    rendezvous_timeout_s: float = 120.0
+    transport: TransportOptions = TransportOptions()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Optional["WorkerEnvironment"]:
+        """Returns the parsed environment, or ``None`` when no launcher set it up.
+
+        Raises:
+            ConfigError: a variable is missing or invalid.
+        """
+        address = env.get(COORDINATOR_ADDR)
+        if not address:
+            return None
+        worker_id = env.get(WORKER_ID) or ""
+        if not worker_id:
+            raise ConfigError(f"{COORDINATOR_ADDR} is set but {WORKER_ID} is not")
+        try:
+            rendezvous_timeout = float(env.get(RENDEZVOUS_TIMEOUT, "120"))
+        except ValueError:
+            raise ConfigError(f"{RENDEZVOUS_TIMEOUT}={env[RENDEZVOUS_TIMEOUT]!r} is not a number") from None
+        if rendezvous_timeout <= 0:
+            raise ConfigError(f"{RENDEZVOUS_TIMEOUT}={rendezvous_timeout} must be positive")
+        bind_host = env.get(BIND_HOST) or "127.0.0.1"
+        return cls(
+            coordinator_address=address,
+            token=validate_token(env.get(JOB_TOKEN)),
+            worker_id=worker_id,
+            bind_host=bind_host,
+            advertise_host=env.get(ADVERTISE_HOST) or None,
+            rendezvous_timeout_s=rendezvous_timeout,
+            transport=TransportOptions.from_env(env),
+        )
+
+    @property
+    def peer_host(self) -> str:
+        """The host other workers dial to reach this one."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.bind_host in ("0.0.0.0", "::", "[::]"):
+            raise ConfigError(f"{BIND_HOST}={self.bind_host} listens everywhere: set {ADVERTISE_HOST} to an address peers can dial")
+        return self.bind_host

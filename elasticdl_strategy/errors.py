@@ -1,0 +1,104 @@
+"""The exceptions raised by elasticdl_strategy, in one small hierarchy.
+
+Catch :class:`ElasticDLError` to handle every failure the library reports::
+
+    from elasticdl_strategy import collective, errors
+
+    try:
+        collective.allreduce(grads)
+    except errors.PeerFailureError as e:
+        print("rank", e.rank, "is gone:", e)
+
+The hierarchy::
+
+    ElasticDLError
+    ├── ConfigError              bad flags, environment or arguments (before anything starts)
+    ├── AuthenticationError      a call was rejected: missing or wrong job token
+    ├── RendezvousError          the coordinator could not form or reach a membership
+    │   └── RendezvousTimeoutError
+    └── CommunicationError       a point-to-point or collective operation failed
+        ├── PeerFailureError         a peer died, left or became unreachable
+        ├── CollectiveMismatchError  ranks called different collectives or arguments
+        ├── CollectiveTimeoutError   a collective or recv passed its deadline
+        └── CommunicatorClosedError  the communicator was shut down
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+
+class ElasticDLError(Exception):
+    """Base class of every error raised by elasticdl_strategy."""
+
+
+class ConfigError(ElasticDLError, ValueError):
+    """A flag, environment variable or argument is invalid.
+
+    Raised before any process, server or collective starts.
+    """
+
+
+class AuthenticationError(ElasticDLError):
+    """A call was rejected because it carried no job token or a wrong one."""
+
+
+class RendezvousError(ElasticDLError):
+    """The coordinator could not be reached or could not form a membership."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Not enough workers registered before the rendezvous deadline."""
+
+
+class CommunicationError(ElasticDLError):
+    """A point-to-point or collective operation failed.
+
+    Attributes:
+        rank: the rank that raised the error (``None`` when unknown).
+    """
+
+    def __init__(self, message: str, *, rank: Optional[int] = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class PeerFailureError(CommunicationError):
+    """A peer process died, left the job or became unreachable.
+
+    Attributes:
+        peer_rank: rank of the failed peer (``None`` when unknown).
+        rank: rank of the process that observed the failure.
+    """
+
+    def __init__(self, message: str, *, peer_rank: Optional[int], rank: Optional[int] = None):
+        super().__init__(message, rank=rank)
+        self.peer_rank = peer_rank
+
+
+class CollectiveMismatchError(CommunicationError):
+    """Ranks called different collectives, or the same one with different arguments.
+
+    Attributes:
+        ranks: the ranks whose calls differ.
+    """
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = (), rank: Optional[int] = None):
+        super().__init__(message, rank=rank)
+        self.ranks = tuple(ranks)
+
+
+class CollectiveTimeoutError(CommunicationError):
+    """A collective or receive did not complete before its deadline.
+
+    Attributes:
+        waiting_for: ranks that had not delivered their part when time ran out.
+    """
+
+    def __init__(self, message: str, *, waiting_for: Iterable[int] = (), rank: Optional[int] = None):
+        super().__init__(message, rank=rank)
+        self.waiting_for = tuple(sorted(waiting_for))
+
+
+class CommunicatorClosedError(CommunicationError):
+    """An operation was attempted on a communicator that has been shut down."""

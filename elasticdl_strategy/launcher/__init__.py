@@ -1,0 +1,1 @@
+"""Layer 6: launchers that start the coordinator and the workers."""

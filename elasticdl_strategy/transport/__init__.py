@@ -1,0 +1,1 @@
+"""Layer 1: gRPC servers and channels, raw-byte streaming, authentication."""

@@ -1,0 +1,95 @@
+"""The job token: every RPC carries it, every server checks it.
+
+The token is a per-job secret made by the launcher and handed to every process
+through the ``EDL_JOB_TOKEN`` environment variable (on Kubernetes, from a
+Secret). Servers compare it in constant time and reject a call without it, or
+with a wrong one, with ``UNAUTHENTICATED`` before any handler runs. The token
+itself is never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from typing import Callable, Optional, Sequence, Tuple
+
+import grpc
+
+from elasticdl_strategy.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "x-elasticdl-job-token"
+MIN_TOKEN_LENGTH = 16
+
+# Read-only services that must answer without a token (Kubernetes' gRPC probes send none).
+_UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def new_token() -> str:
+    """Returns a fresh random job token (256 bits, hex)."""
+    return secrets.token_hex(32)
+
+
+def validate_token(token: Optional[str]) -> str:
+    if not token or len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"the job token must be at least {MIN_TOKEN_LENGTH} characters "
+            "(set EDL_JOB_TOKEN, or start workers with the launcher which makes one)"
+        )
+    return token
+
+
+def call_metadata(token: str) -> Tuple[Tuple[str, str], ...]:
+    """Metadata to pass with every call: ``stub.Method(request, metadata=call_metadata(token))``."""
+    return ((TOKEN_METADATA_KEY, token),)
+
+
+def _reject(message: str) -> Callable:
+    def handler(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return handler
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as ``handler`` that aborts at once."""
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_reject(message))
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_reject(message))
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_reject(message))
+    return grpc.unary_unary_rpc_method_handler(_reject(message))
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Rejects every call whose metadata lacks the job token.
+
+    Example::
+
+        server = grpc.server(pool, interceptors=[TokenAuthInterceptor(token)])
+    """
+
+    def __init__(self, token: str, exempt_prefixes: Sequence[str] = _UNAUTHENTICATED_PREFIXES):
+        self._token = validate_token(token).encode()
+        self._exempt = tuple(exempt_prefixes)
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(self._exempt):
+            return continuation(handler_call_details)
+        presented = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+                break
+        if presented is not None and hmac.compare_digest(presented, self._token):
+            return continuation(handler_call_details)
+        reason = "no job token" if presented is None else "a wrong job token"
+        logger.warning("rejected %s: the call carried %s", method, reason)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _rejecting_handler(handler, f"{method} rejected: the call carried {reason}")

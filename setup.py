@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="elasticdl_strategy",
+    version="0.1.0",
+    description="Elastic data-parallel training for TensorFlow 2: a tf.distribute strategy over a gRPC ring all-reduce",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["elasticdl_strategy", "elasticdl_strategy.*"]),
+    package_data={"elasticdl_strategy.transport.protos": ["*.proto"]},
+    # Ranges tested on Python 3.11 (see README). The generated stubs need
+    # protobuf >= 7.35.1 and grpcio >= 1.85.1 (their gencode versions).
+    install_requires=[
+        "numpy>=2.0,<3",
+        "ml_dtypes>=0.5,<1",
+        "grpcio>=1.85.1,<2",
+        "grpcio-health-checking>=1.85.1,<2",
+        "protobuf>=7.35.1,<8",
+        "tensorflow>=2.21,<2.22",
+        "kubernetes>=37,<38",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=9,<10",
+            "pytest-timeout>=2.3,<3",
+            "hypothesis>=6.150,<7",
+            "grpcio-tools>=1.85.1,<2",
+        ],
+    },
+    entry_points={"console_scripts": ["elasticdl-strategy=elasticdl_strategy.cli:main"]},
+)
