@@ -22,6 +22,7 @@ argument, default ``EDL_TIMEOUT`` = 60 s).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -72,6 +73,8 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
             _worker = Worker.single()
         else:
             _worker = Worker.join(parsed)
+        # Leave cleanly at exit, before the interpreter stops the thread pools gRPC relies on.
+        getattr(threading, "_register_atexit", atexit.register)(shutdown)
 
 
 def shutdown() -> None:

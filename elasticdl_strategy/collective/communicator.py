@@ -350,7 +350,7 @@ class Communicator:
     def _on_peer_failure(self, peer: int, reason: str, clean: bool) -> None:
         if clean:
             return  # a peer that shut down on purpose finished its collectives; pending receives from it fail alone
-        message = f"rank {peer} ({self.p2p.addresses[peer]}) failed: {reason}"
+        message = f"{self.p2p.describe_peer(peer)} failed: {reason}"
         self._abort(
             lambda: PeerFailureError(f"rank {self.rank}: {message}", peer_rank=peer, rank=self.rank),
             kind="peer_failure",

@@ -58,7 +58,8 @@ def as_supported_array(array) -> np.ndarray:
             name = array.dtype.name
         if name not in SUPPORTED_DTYPES:
             raise ConfigError(f"unsupported dtype {array.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
-    return np.ascontiguousarray(array)
+    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def check_reduce_op(op: str, dtype: np.dtype) -> Callable:

@@ -11,6 +11,7 @@ means the data is reduced while the rest is still on the wire.
 from __future__ import annotations
 
 import collections
+import heapq
 import threading
 from concurrent import futures
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -173,28 +174,35 @@ class Mailbox:
         self._rank = rank
         self._lock = threading.Lock()
         self._next_sequence: Dict[Tuple[int, int, int], int] = collections.defaultdict(int)
+        # Sequence numbers given back by cancelled receives, reused smallest first.
+        self._released: Dict[Tuple[int, int, int], List[int]] = collections.defaultdict(list)
         self._unmatched: Dict[Key, _Entry] = {}
         self._posted: Dict[Key, _Entry] = {}
         self._failed_sources: Dict[int, Callable[[], BaseException]] = {}
         self._failed_channels: Dict[int, Callable[[], BaseException]] = {}
 
-    def post(self, src: int, channel: int, tag: int, sink: Sink) -> futures.Future:
+    def post(self, src: int, channel: int, tag: int, sink: Sink) -> Tuple[futures.Future, Key]:
         """Posts a receive of the next message from ``src`` on (channel, tag).
 
         Returns:
-            a future with ``sink.result()``, or the error that failed it.
+            a future with ``sink.result()`` (or the error that failed it), and the message key.
         """
         with self._lock:
             seq_key = (src, channel, tag)
-            key = (src, channel, tag, self._next_sequence[seq_key])
-            self._next_sequence[seq_key] += 1
+            released = self._released.get(seq_key)
+            if released:
+                sequence = heapq.heappop(released)
+            else:
+                sequence = self._next_sequence[seq_key]
+                self._next_sequence[seq_key] += 1
+            key = (src, channel, tag, sequence)
             entry = self._unmatched.pop(key, None)
             if entry is None:
                 entry = _Entry(src, channel)
                 error = self._failed_channels.get(channel) or self._failed_sources.get(src)
                 if error is not None:
                     entry.fail(error())
-                    return entry.future
+                    return entry.future, key
                 self._posted[key] = entry
         entry.attach(sink)
         if entry.future.done():
@@ -202,7 +210,23 @@ class Mailbox:
                 self._posted.pop(key, None)
         else:
             entry.future.add_done_callback(lambda _: self._forget(key))
-        return entry.future
+        return entry.future, key
+
+    def cancel(self, key: Key, error: BaseException) -> bool:
+        """Withdraws a posted receive that nothing has arrived for yet.
+
+        Its sequence number goes to the next receive on the same (src, channel,
+        tag), so the message it was waiting for is not lost. Returns False when
+        the message had begun to arrive (the receive stays posted).
+        """
+        with self._lock:
+            entry = self._posted.get(key)
+            if entry is None or entry.header is not None:
+                return False
+            del self._posted[key]
+            heapq.heappush(self._released[key[:3]], key[3])
+        entry.fail(error)
+        return True
 
     def deliver(self, src: int, header: peer_pb2.MessageHeader) -> _Entry:
         """Called for each arriving message header; returns the writer for its bytes."""

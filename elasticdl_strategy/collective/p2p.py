@@ -49,8 +49,17 @@ class Request:
         array = req.wait(timeout=10)
     """
 
-    def __init__(self, future: futures.Future, describe: Callable[[], str], peer: int, default_timeout: float, rank: int):
+    def __init__(
+        self,
+        future: futures.Future,
+        describe: Callable[[], str],
+        peer: int,
+        default_timeout: float,
+        rank: int,
+        cancel: Optional[Callable[[BaseException], bool]] = None,
+    ):
         self._future = future
+        self._cancel = cancel
         self._describe = describe
         self._peer = peer
         self._default_timeout = default_timeout
@@ -75,12 +84,22 @@ class Request:
         try:
             return self._future.result(timeout=timeout)
         except futures.TimeoutError:
-            raise CollectiveTimeoutError(
-                f"rank {self._rank}: {self._describe()} did not complete within {timeout:g}s "
-                f"(waiting for rank {self._peer})",
-                waiting_for=(self._peer,),
-                rank=self._rank,
-            ) from None
+            raise self._timeout_error(timeout) from None
+
+    def cancel(self) -> bool:
+        """Withdraws a receive that nothing has arrived for; returns whether it was withdrawn.
+
+        The message it waited for goes to the next receive from the same rank and tag.
+        """
+        return self._cancel is not None and self._cancel(CommunicationError(f"rank {self._rank}: {self._describe()} was cancelled", rank=self._rank))
+
+    def _timeout_error(self, timeout: float) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"rank {self._rank}: {self._describe()} did not complete within {timeout:g}s "
+            f"(waiting for rank {self._peer})",
+            waiting_for=(self._peer,),
+            rank=self._rank,
+        )
 
 
 def wait_all(requests: Sequence[Request], deadline: float) -> List:
@@ -110,6 +129,7 @@ class PointToPoint:
         token: str,
         options: TransportOptions,
         worker_id: str = "",
+        worker_ids: Optional[Sequence[str]] = None,
         on_peer_failure: Optional[Callable[[int, str, bool], None]] = None,
     ):
         if not 0 <= rank < len(addresses):
@@ -117,6 +137,7 @@ class PointToPoint:
         self.rank = rank
         self.size = len(addresses)
         self.addresses = list(addresses)
+        self.worker_ids = list(worker_ids) if worker_ids is not None else [""] * len(addresses)
         self.membership_version = membership_version
         self.options = options
         self._token = token
@@ -132,6 +153,8 @@ class PointToPoint:
         self._streams: Dict[int, OutboundStream] = {}
         self._send_sequence: Dict[tuple, int] = {}
         self._failed: Dict[int, str] = {}
+        # gRPC cancels a call whose future is garbage-collected: keep aborts alive until done.
+        self._aborts_in_flight: set = set()
         self._closed = False
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -212,12 +235,27 @@ class PointToPoint:
         if out is not None and (not isinstance(out, np.ndarray) or not out.flags.c_contiguous):
             raise ConfigError("out must be a C-contiguous numpy array")
         sink = sink or ArraySink(self.rank, out)
-        future = self.mailbox.post(src, channel, tag, sink)
-        return Request(future, lambda: f"receive from rank {src} (tag {tag})", src, self.options.timeout_s, self.rank)
+        future, key = self.mailbox.post(src, channel, tag, sink)
+        return Request(
+            future,
+            lambda: f"receive from rank {src} (tag {tag})",
+            src,
+            self.options.timeout_s,
+            self.rank,
+            cancel=lambda error: self.mailbox.cancel(key, error),
+        )
 
     def recv(self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
-        """Receives the next message from ``src`` with ``tag``; see :meth:`irecv`."""
-        return self.irecv(src, tag, out).wait(timeout)
+        """Receives the next message from ``src`` with ``tag``; see :meth:`irecv`.
+
+        On timeout the receive is withdrawn, so a later ``recv`` gets the message.
+        """
+        request = self.irecv(src, tag, out)
+        try:
+            return request.wait(timeout)
+        except CollectiveTimeoutError:
+            request.cancel()
+            raise
 
     # ---- the StreamListener side, called by the worker server -----------------------------
 
@@ -239,7 +277,7 @@ class PointToPoint:
                 return
             self._failed[peer] = reason
         if not clean:
-            logger.warning("rank %d: rank %d failed: %s", self.rank, peer, reason)
+            logger.warning("rank %d: %s failed: %s", self.rank, self.describe_peer(peer), reason)
         self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
         if self._on_peer_failure is not None:
             self._on_peer_failure(peer, reason, clean)
@@ -252,9 +290,14 @@ class PointToPoint:
         with self._lock:
             return dict(self._failed)
 
+    def describe_peer(self, peer: int) -> str:
+        """``rank 2 (worker-1 at 10.0.0.3:4000)``, for error messages."""
+        name = f"{self.worker_ids[peer]} at " if self.worker_ids[peer] else ""
+        return f"rank {peer} ({name}{self.addresses[peer]})"
+
     def _peer_error(self, peer: int) -> PeerFailureError:
         return PeerFailureError(
-            f"rank {self.rank}: rank {peer} ({self.addresses[peer]}) failed: {self._failed.get(peer, 'unknown')}",
+            f"rank {self.rank}: {self.describe_peer(peer)} failed: {self._failed.get(peer, 'unknown')}",
             peer_rank=peer,
             rank=self.rank,
         )
@@ -275,7 +318,9 @@ class PointToPoint:
         for peer in range(self.size):
             if peer != self.rank and peer not in self._failed:
                 try:
-                    send_abort(self._channel_to(peer), self._token, request, self.options.connect_timeout_s)
+                    call = send_abort(self._channel_to(peer), self._token, request, self.options.connect_timeout_s)
+                    self._aborts_in_flight.add(call)
+                    call.add_done_callback(self._aborts_in_flight.discard)
                 except Exception:  # the peer may be gone; it learns of the abort another way
                     logger.debug("abort to rank %d not sent", peer, exc_info=True)
 

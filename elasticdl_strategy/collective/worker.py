@@ -56,7 +56,15 @@ class Worker:
             client.register(address, timeout=env.rendezvous_timeout_s)
             membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s)
             rank = membership.rank_of(env.worker_id)
-            p2p = PointToPoint(rank, membership.addresses, membership.version, env.token, env.transport, env.worker_id)
+            p2p = PointToPoint(
+                rank,
+                membership.addresses,
+                membership.version,
+                env.token,
+                env.transport,
+                worker_id=env.worker_id,
+                worker_ids=[m.worker_id for m in membership.members],
+            )
             communicator = Communicator(p2p)
             server.set_listener(membership.version, p2p)
         except BaseException:

@@ -238,8 +238,8 @@ class PeerService:
         try:
             messages = self._receive(frame_iterator, receiver)
             error = None
-        except grpc.RpcError as e:
-            error = f"the connection broke ({e.code().name if isinstance(e, grpc.Call) else e})"
+        except grpc.RpcError:
+            error = "the connection broke (the sender died or the network failed)"
         except _IncompleteMessage:
             pass
         except Exception as e:  # a bug or a corrupt frame: the stream cannot continue
@@ -282,7 +282,11 @@ class _IncompleteMessage(Exception):
 
 
 def send_abort(channel: grpc.Channel, token: str, request: peer_pb2.AbortRequest, timeout: float) -> futures.Future:
-    """Sends an Abort to one peer without waiting; the returned future may be ignored."""
+    """Sends an Abort to one peer without waiting.
+
+    Keep a reference to the returned future until it is done: gRPC cancels
+    calls whose future is garbage-collected.
+    """
     call = channel.unary_unary(
         ABORT_METHOD,
         request_serializer=peer_pb2.AbortRequest.SerializeToString,

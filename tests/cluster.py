@@ -1,0 +1,75 @@
+"""Test helpers: N ranks in one process (real gRPC servers and streams, one thread per rank)."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Callable, List, Optional
+
+from elasticdl_strategy.collective.communicator import Communicator
+from elasticdl_strategy.collective.p2p import PointToPoint
+from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.worker_server import WorkerServer
+
+# Every thread of a test run finishes well within this, or the test fails.
+RUN_TIMEOUT_S = 60.0
+
+
+class ThreadCluster:
+    """``n`` communicators in this process, each with its own peer server.
+
+    Example::
+
+        with ThreadCluster(3) as cluster:
+            results = cluster.run(lambda comm: comm.allreduce(np.ones(4)))
+    """
+
+    def __init__(self, n: int, options: Optional[TransportOptions] = None, token: Optional[str] = None):
+        self.token = token or new_token()
+        self.options = options or TransportOptions(timeout_s=20.0, connect_timeout_s=5.0)
+        self.servers = [WorkerServer("127.0.0.1:0", self.token, self.options) for _ in range(n)]
+        self.addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
+        self.communicators: List[Communicator] = []
+        for rank, server in enumerate(self.servers):
+            p2p = PointToPoint(
+                rank, self.addresses, 1, self.token, self.options, worker_id=f"w{rank}",
+                worker_ids=[f"w{i}" for i in range(n)],
+            )  # fmt: skip
+            server.set_listener(1, p2p)
+            self.communicators.append(Communicator(p2p))
+        self._pool = futures.ThreadPoolExecutor(max_workers=n)
+
+    @property
+    def size(self) -> int:
+        return len(self.communicators)
+
+    def run(self, fn: Callable[[Communicator], object], timeout: float = RUN_TIMEOUT_S) -> List[object]:
+        """Runs ``fn(comm)`` on every rank at once; returns results by rank, or raises the first error."""
+        tasks = [self._pool.submit(fn, comm) for comm in self.communicators]
+        return [task.result(timeout=timeout) for task in tasks]
+
+    def run_outcomes(self, fn: Callable[[Communicator], object], timeout: float = RUN_TIMEOUT_S) -> List[object]:
+        """Like :meth:`run`, but returns each rank's exception instead of raising it."""
+        tasks = [self._pool.submit(fn, comm) for comm in self.communicators]
+        futures.wait(tasks, timeout=timeout)
+        outcomes = []
+        for task in tasks:
+            if not task.done():
+                raise AssertionError(f"a rank did not finish within {timeout}s")
+            outcomes.append(task.exception() if task.exception() is not None else task.result())
+        return outcomes
+
+    def close(self) -> None:
+        for comm in self.communicators:
+            comm.close(timeout=2.0)
+        for server in self.servers:
+            server.stop(grace=0.2)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "ThreadCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+

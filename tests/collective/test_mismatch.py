@@ -1,0 +1,84 @@
+"""Ranks that disagree about a collective all raise CollectiveMismatchError; deadlines raise
+CollectiveTimeoutError naming the missing ranks. Never a hang, never a wrong result."""
+
+import time
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError
+from tests.cluster import ThreadCluster
+
+
+def outcomes(n, fn, timeout=30):
+    with ThreadCluster(n) as cluster:
+        return cluster.run_outcomes(fn, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "n, odd_call, what",
+    [
+        (2, lambda c: c.allreduce(np.ones(5, np.float32)), "shape"),
+        (3, lambda c: c.allreduce(np.ones(4, np.float64)), "dtype"),
+        (3, lambda c: c.allreduce(np.ones(4, np.float32), op="max"), "reduce_op"),
+        (4, lambda c: c.broadcast(np.ones(4, np.float32)), "op"),
+        (3, lambda c: c.allgather(np.ones((4, 2), np.float32)), "op"),
+        (3, lambda c: c.reduce_scatter(np.ones(4, np.float32)), "op"),
+    ],
+)
+def test_every_rank_raises_mismatch_naming_ranks_and_difference(n, odd_call, what):
+    odd = n - 1
+
+    def program(c):
+        if c.rank == odd:
+            return odd_call(c)
+        return c.allreduce(np.ones(4, np.float32))
+
+    results = outcomes(n, program)
+    for rank, outcome in enumerate(results):
+        assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
+        assert what in str(outcome)
+        assert odd in outcome.ranks or f"rank {odd}" in str(outcome)
+
+
+def test_mismatch_is_sticky_until_a_new_communicator():
+    def program(c):
+        shape = 3 if c.rank == 0 else 4
+        try:
+            c.allreduce(np.ones(shape))
+        except CollectiveMismatchError:
+            pass
+        c.barrier()  # the communicator is aborted: raises again
+
+    for outcome in outcomes(2, program):
+        assert isinstance(outcome, CollectiveMismatchError)
+
+
+def test_collective_that_one_rank_skips_times_out_on_all_ranks_naming_it():
+    def program(c):
+        if c.rank == 2:
+            return "skipped"  # a branch only some ranks take
+        return c.allreduce(np.ones(4), timeout=1.0)
+
+    start = time.monotonic()
+    results = outcomes(3, program)
+    assert results[2] == "skipped"
+    for rank in (0, 1):
+        assert isinstance(results[rank], CollectiveTimeoutError), results[rank]
+        assert "rank" in str(results[rank]) and "waiting" in str(results[rank])
+    assert any(2 in r.waiting_for for r in results[:2])
+    assert time.monotonic() - start < 15
+
+
+def test_timeout_on_one_rank_aborts_the_others_at_once():
+    def program(c):
+        if c.rank == 1:
+            time.sleep(3)
+            return "late"
+        return c.allreduce(np.ones(2), timeout=0.5 if c.rank == 0 else 20)
+
+    start = time.monotonic()
+    results = outcomes(3, program)
+    assert isinstance(results[0], CollectiveTimeoutError)
+    assert isinstance(results[2], CollectiveTimeoutError)  # told by rank 0, not its own 20 s deadline
+    assert time.monotonic() - start < 10

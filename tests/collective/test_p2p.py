@@ -1,0 +1,95 @@
+"""Point-to-point: blocking and non-blocking, matching by (sender, tag, sequence), buffers, deadlines."""
+
+import time
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
+from elasticdl_strategy.transport.options import TransportOptions
+from tests.cluster import ThreadCluster
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cluster = ThreadCluster(2, TransportOptions(chunk_size=64 << 10, inline_threshold=1024, timeout_s=10))
+    yield cluster
+    cluster.close()
+
+
+def p2p(cluster, rank):
+    return cluster.communicators[rank].p2p
+
+
+def test_messages_match_by_tag_and_order_not_arrival(pair):
+    a, b = p2p(pair, 0), p2p(pair, 1)
+    for i in range(3):
+        a.send(np.full(4, i), dst=1, tag=5)
+    a.send(np.full(4, 99), dst=1, tag=9)
+    # Receive tag 9 first although it arrived last, then tag 5 in send order.
+    np.testing.assert_array_equal(b.recv(0, tag=9), np.full(4, 99))
+    for i in range(3):
+        np.testing.assert_array_equal(b.recv(0, tag=5), np.full(4, i))
+
+
+def test_irecv_posted_before_send_and_chunked_large_message(pair):
+    a, b = p2p(pair, 0), p2p(pair, 1)
+    data = np.random.default_rng(0).standard_normal((300, 1001)).astype(np.float32)  # ~1.2 MB, 19 chunks
+    out = np.zeros_like(data)
+    request = b.irecv(0, tag=1, out=out)
+    assert not request.done()
+    send = a.isend(data, dst=1, tag=1)
+    assert request.wait(timeout=10) is out
+    send.wait(timeout=10)
+    assert send.done() and request.done()
+    np.testing.assert_array_equal(out, data)
+
+
+def test_recv_without_out_returns_sender_dtype_and_shape(pair):
+    a, b = p2p(pair, 0), p2p(pair, 1)
+    a.send(np.arange(6, dtype=np.int32).reshape(2, 3), dst=1)
+    got = b.recv(0)
+    assert got.dtype == np.int32 and got.shape == (2, 3)
+    np.testing.assert_array_equal(got, np.arange(6).reshape(2, 3))
+
+
+def test_recv_into_wrong_size_buffer_is_a_clear_error(pair):
+    a, b = p2p(pair, 0), p2p(pair, 1)
+    a.send(np.ones(5, np.float32), dst=1, tag=3)
+    with pytest.raises(CollectiveMismatchError, match="holds 20 bytes.*receive buffer holds 40"):
+        b.recv(0, tag=3, out=np.zeros(10, np.float32))
+
+
+def test_recv_times_out_naming_the_sender(pair):
+    b = p2p(pair, 1)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="waiting for rank 0") as info:
+        b.recv(0, tag=77, timeout=0.3)
+    assert info.value.waiting_for == (0,)
+    assert time.monotonic() - start < 5
+    # The timed-out receive was withdrawn: the message goes to the next one.
+    p2p(pair, 0).send(np.full(1, 5.0), dst=1, tag=77)
+    np.testing.assert_array_equal(b.recv(0, tag=77), [5.0])
+
+
+def test_irecv_wait_timeout_keeps_the_receive_posted(pair):
+    a, b = p2p(pair, 0), p2p(pair, 1)
+    request = b.irecv(0, tag=78)
+    with pytest.raises(CollectiveTimeoutError):
+        request.wait(timeout=0.1)
+    a.send(np.full(2, 3), dst=1, tag=78)
+    np.testing.assert_array_equal(request.wait(), [3, 3])
+
+
+def test_send_to_self(pair):
+    a = p2p(pair, 0)
+    data = np.arange(3.0)
+    request = a.isend(data, dst=0, tag=2)
+    data[:] = -1  # the message was copied
+    request.wait()
+    np.testing.assert_array_equal(a.recv(0, tag=2), np.arange(3.0))
+
+
+def test_invalid_peer_is_a_config_error(pair):
+    with pytest.raises(ConfigError, match="ranks are 0..1"):
+        p2p(pair, 0).send(np.ones(1), dst=2)

@@ -1,0 +1,79 @@
+"""Test helper: run a job through the real launcher (``python -m elasticdl_strategy run``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from typing import Dict, List, Optional, Sequence
+
+WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
+
+
+def worker_script(name: str) -> str:
+    return os.path.join(WORKERS_DIR, name)
+
+
+def launcher_argv(workers: int, command: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
+    return [sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), *extra, "--", *command]
+
+
+def run_job(
+    workers: int,
+    command: Sequence[str],
+    extra: Sequence[str] = (),
+    timeout: float = 120.0,
+    env: Optional[Dict[str, str]] = None,
+) -> subprocess.CompletedProcess:
+    """Runs the launcher to completion; afterwards kills every process the job started."""
+    job = Job(launcher_argv(workers, command, extra), env)
+    try:
+        out, err = job.proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(job.proc.args, job.proc.returncode, out, err)
+    finally:
+        job.kill()
+
+
+class Job:
+    """A launcher process; every process it starts carries a marker in its environment,
+    so :meth:`kill` finds and kills them by pid even after they are re-parented."""
+
+    def __init__(self, argv: Sequence[str], env: Optional[Dict[str, str]] = None):
+        self.marker = f"{_MARKER}={uuid.uuid4().hex}"
+        key, value = self.marker.split("=")
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {}), key: value},
+            start_new_session=True,
+        )
+
+    def pids(self) -> List[int]:
+        found = []
+        needle = self.marker.encode()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        if needle in f.read().split(b"\0"):
+                            found.append(int(entry))
+                except OSError:
+                    pass
+        return found
+
+    def kill(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+_MARKER = "EDL_TEST_JOB"
