@@ -99,9 +99,10 @@ class ReduceSink(Sink):
 class _Entry:
     """One message, from arrival or posting to completion."""
 
-    __slots__ = ("src", "channel", "lock", "header", "sink", "buffered", "arrived", "future")
+    __slots__ = ("src", "channel", "lock", "header", "sink", "buffered", "arrived", "future", "on_complete")
 
-    def __init__(self, src: int, channel: int):
+    def __init__(self, src: int, channel: int, on_complete: Callable[[int], None]):
+        self.on_complete = on_complete
         self.src = src
         self.channel = channel
         self.lock = threading.Lock()
@@ -161,6 +162,7 @@ class _Entry:
 
     def _complete_if_ready(self) -> None:
         if self.arrived and self.sink is not None and not self.future.done():
+            self.on_complete(self.header.nbytes)
             self.future.set_result(self.sink.result())
 
 
@@ -180,6 +182,14 @@ class Mailbox:
         self._posted: Dict[Key, _Entry] = {}
         self._failed_sources: Dict[int, Callable[[], BaseException]] = {}
         self._failed_channels: Dict[int, Callable[[], BaseException]] = {}
+        # Payload of messages delivered to completed receives (not of messages merely arrived).
+        self.bytes_received = 0
+        self.messages_received = 0
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_received += nbytes
+            self.messages_received += 1
 
     def post(self, src: int, channel: int, tag: int, sink: Sink) -> Tuple[futures.Future, Key]:
         """Posts a receive of the next message from ``src`` on (channel, tag).
@@ -198,7 +208,7 @@ class Mailbox:
             key = (src, channel, tag, sequence)
             entry = self._unmatched.pop(key, None)
             if entry is None:
-                entry = _Entry(src, channel)
+                entry = _Entry(src, channel, self._count)
                 error = self._failed_channels.get(channel) or self._failed_sources.get(src)
                 if error is not None:
                     entry.fail(error())
@@ -234,7 +244,7 @@ class Mailbox:
         with self._lock:
             entry = self._posted.get(key)
             if entry is None:
-                entry = _Entry(src, header.channel)
+                entry = _Entry(src, header.channel, self._count)
                 self._unmatched[key] = entry
         entry.set_header(header)
         return entry

@@ -157,9 +157,7 @@ class PointToPoint:
         self._aborts_in_flight: set = set()
         self._closed = False
         self.bytes_sent = 0
-        self.bytes_received = 0
         self.messages_sent = 0
-        self.messages_received = 0
 
     # ---- sending --------------------------------------------------------------------------
 
@@ -215,6 +213,15 @@ class PointToPoint:
         done: futures.Future = futures.Future()
         done.set_result(None)
         return Request(done, describe, self.rank, self.options.timeout_s, self.rank)
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes of messages this rank's receives have completed."""
+        return self.mailbox.bytes_received
+
+    @property
+    def messages_received(self) -> int:
+        return self.mailbox.messages_received
 
     # ---- receiving ------------------------------------------------------------------------
 
@@ -374,8 +381,6 @@ class _InboundStream:
 
     def on_header(self, header: peer_pb2.MessageHeader):
         p2p = self._p2p
-        p2p.bytes_received += header.nbytes
-        p2p.messages_received += 1
         if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
             p2p.header_observer(self._src, header.collective)
         return p2p.mailbox.deliver(self._src, header)

@@ -1,0 +1,39 @@
+"""The collectives in separate processes started by the real launcher, N = 1..4."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.launch import run_job, worker_script
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_collective_dtype_and_edge_size_in_processes(tmp_path, n):
+    extra_flags = ["--64mib"] if n in (2, 4) else []
+    job = run_job(
+        n,
+        [sys.executable, worker_script("collectives_matrix.py"), str(tmp_path), *extra_flags],
+        timeout=240,
+        env={"PYTHONPATH": os.getcwd()},
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    assert sorted(r["rank"] for r in reports) == list(range(n))
+    for report in reports:
+        assert report["size"] == n
+        assert report["failures"] == [], report["failures"][:5]
+
+    divisible, uneven = (
+        [r["counters"][0] for r in reports],
+        [r["counters"][1] for r in reports],
+    )
+    # Divisible size: every rank sends and receives exactly 2(N-1)/N of the data.
+    for c in divisible:
+        assert c["sent"] == c["received"] == 2 * (n - 1) * c["nbytes"] // n
+    # Any size: the ranks together move exactly 2(N-1) times the data.
+    assert sum(c["sent"] for c in uneven) == 2 * (n - 1) * uneven[0]["nbytes"]
+    assert sum(c["received"] for c in uneven) == 2 * (n - 1) * uneven[0]["nbytes"]
