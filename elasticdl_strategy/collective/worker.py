@@ -50,10 +50,16 @@ class Worker:
     def join(cls, env: WorkerEnvironment) -> "Worker":
         server = WorkerServer(f"{env.bind_host}:0", env.token, env.transport)
         client = None
+        worker: Optional[Worker] = None
         try:
             address = f"{env.peer_host}:{server.port}"
             client = CoordinatorClient(env.coordinator_address, env.worker_id, env.token, env.transport)
             client.register(address, timeout=env.rendezvous_timeout_s)
+            # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
+            client.start_heartbeats(
+                lambda: worker.membership.version if worker else 0,
+                lambda response: worker._on_heartbeat(response) if worker else None,
+            )
             membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s)
             rank = membership.rank_of(env.worker_id)
             p2p = PointToPoint(
@@ -74,7 +80,6 @@ class Worker:
             server.stop(0)
             raise
         worker = cls(membership, env.worker_id, communicator, server, client)
-        client.start_heartbeats(lambda: worker.membership.version, worker._on_heartbeat)
         logger.info(
             "worker %s is rank %d of %d (membership version %d)",
             env.worker_id,

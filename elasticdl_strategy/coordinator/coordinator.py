@@ -95,6 +95,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self._cond = threading.Condition()
         self._workers: Dict[str, _Worker] = collections.OrderedDict()
         self._joins = 0
+        # Workers blocked in GetMembership right now: alive while the call is open.
+        self._waiting: collections.Counter = collections.Counter()
         self._membership = EMPTY
         self._min_reached_at: Optional[float] = None
         self._stop = threading.Event()
@@ -146,7 +148,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             dead = [
                 w
                 for w in self._workers.values()
-                if w.alive and now - w.last_heartbeat > self.params.heartbeat_timeout_s
+                if w.alive
+                and not self._waiting[w.worker_id]
+                and now - w.last_heartbeat > self.params.heartbeat_timeout_s
             ]
             for w in dead:
                 w.alive = False
@@ -206,10 +210,24 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
         def ready():
             m = self._membership
-            return self._stop.is_set() or (m.version > request.after_version and m.rank_of(request.worker_id) >= 0)
+            return (
+                self._stop.is_set()
+                or not context.is_active()
+                or (m.version > request.after_version and m.rank_of(request.worker_id) >= 0)
+            )
 
+        def wake():
+            with self._cond:
+                self._cond.notify_all()
+
+        context.add_callback(wake)  # the caller hung up or died: stop waiting
         with self._cond:
-            self._cond.wait_for(ready, timeout=wait_s)
+            self._waiting[request.worker_id] += 1
+            try:
+                self._cond.wait_for(ready, timeout=wait_s)
+            finally:
+                self._waiting[request.worker_id] -= 1
+            self._touch(request.worker_id)
             return coordinator_pb2.GetMembershipResponse(
                 membership=self._membership.to_proto(),
                 registered=len(self._live()),
@@ -217,12 +235,17 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 max_workers=self.params.max_workers,
             )
 
+    def _touch(self, worker_id: str) -> bool:
+        """Records a sign of life; returns whether the worker is known and alive (lock held)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return False
+        worker.last_heartbeat = self._clock()
+        return True
+
     def Heartbeat(self, request, context):
         with self._cond:
-            worker = self._workers.get(request.worker_id)
-            known = worker is not None and worker.alive
-            if known:
-                worker.last_heartbeat = self._clock()
+            known = self._touch(request.worker_id)
             return coordinator_pb2.HeartbeatResponse(membership_version=self._membership.version, known=known)
 
     def Leave(self, request, context):

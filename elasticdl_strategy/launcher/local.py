@@ -104,6 +104,15 @@ class _Process:
         ]
         for pump in self._pumps:
             pump.start()
+        # Reaped in its own thread so the exit times give the order in which workers failed.
+        self.exited_at: Optional[float] = None
+        self.exited = threading.Event()
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        self.popen.wait()
+        self.exited_at = time.monotonic()
+        self.exited.set()
 
     def _pump(self, stream, sink: TextIO, lock: threading.Lock, tail: Optional[Deque[str]]) -> None:
         prefix = f"[{self.name}] "
@@ -224,33 +233,35 @@ class LocalLauncher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _failures(self) -> List[_Process]:
+        failed = [w for w in self._workers if w.exited.is_set() and w.popen.returncode != 0]
+        return sorted(failed, key=lambda w: w.exited_at)
+
     def _supervise(self) -> int:
-        first_failure: Optional[_Process] = None
-        failed_at = 0.0
         while True:
-            running = [w for w in self._workers if w.popen.poll() is None]
-            if first_failure is None:
-                for w in self._workers:
-                    if w.popen.returncode not in (None, 0):
-                        first_failure, failed_at = w, time.monotonic()
-                        break
+            running = [w for w in self._workers if not w.exited.is_set()]
+            failures = self._failures()
             if not running:
                 break
-            if first_failure is not None and time.monotonic() - failed_at > self.config.failure_grace_s:
+            if failures and time.monotonic() - failures[0].exited_at > self.config.failure_grace_s:
                 break
             if self._coordinator is not None and self._coordinator.popen.poll() is not None:
                 self._say(f"the coordinator exited with code {self._coordinator.popen.returncode}")
                 return 1
             time.sleep(0.05)
-        if first_failure is None:
+        failures = self._failures()
+        if not failures:
             if self._stop_signal is not None:
                 return 128 + self._stop_signal
             return 0
+        first_failure = failures[0]
         first_failure.flush_output()
         code = first_failure.popen.returncode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         tail = "\n".join("    " + line for line in first_failure.stderr_tail) or "    (no stderr output)"
         self._say(f"{first_failure.name} {how}; last lines of its stderr:\n{tail}")
+        if len(failures) > 1:
+            self._say(f"after it, also failed: {', '.join(w.name for w in failures[1:])}")
         return 1
 
     def _stop_all(self) -> None:

@@ -1,0 +1,181 @@
+"""Rendezvous: ranks by join order, formation, heartbeats, leaving, timeouts."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams
+from elasticdl_strategy.coordinator.client import CoordinatorClient
+from elasticdl_strategy.coordinator.server import CoordinatorServer
+from elasticdl_strategy.errors import ConfigError, RendezvousError, RendezvousTimeoutError
+from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class Context:
+    def abort(self, code, details):
+        raise grpc.RpcError(f"{code}: {details}")
+
+    def is_active(self):
+        return True
+
+    def add_callback(self, callback):
+        return True
+
+
+def register(coordinator, worker_id, address=None):
+    return coordinator.Register(pb.RegisterRequest(worker_id=worker_id, address=address or f"h:{worker_id}"), Context())
+
+
+def members(coordinator):
+    return [m.worker_id for m in coordinator.membership.members]
+
+
+def test_membership_forms_at_target_with_ranks_in_join_order():
+    c = Coordinator(CoordinatorParams(min_workers=2, max_workers=3, target_workers=3), clock=FakeClock())
+    for wid in ["b", "a"]:
+        register(c, wid)
+    assert c.membership.version == 0  # 2 of 3, last call not over
+    register(c, "c")
+    assert c.membership.version == 1
+    assert members(c) == ["b", "a", "c"]
+    assert c.membership.rank_of("a") == 1
+
+
+def test_last_call_forms_with_min_workers():
+    clock = FakeClock()
+    c = Coordinator(CoordinatorParams(min_workers=2, max_workers=4, target_workers=4, last_call_s=5), clock=clock)
+    register(c, "a")
+    register(c, "b")
+    clock.now += 4
+    c.reap()
+    assert c.membership.version == 0
+    clock.now += 2
+    c.reap()
+    assert c.membership.version == 1 and members(c) == ["a", "b"]
+
+
+def test_missed_heartbeats_publish_a_new_version_without_the_dead_worker():
+    clock = FakeClock()
+    c = Coordinator(CoordinatorParams(1, 3, 3, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    for wid in "abc":
+        register(c, wid)
+    assert c.membership.version == 1
+    clock.now += 4
+    for wid in "ac":
+        assert c.Heartbeat(pb.HeartbeatRequest(worker_id=wid), Context()).known
+    clock.now += 2  # b silent for 6 s
+    c.reap()
+    assert c.membership.version == 2 and members(c) == ["a", "c"]
+    assert "b missed heartbeats" in c.membership.reason
+    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="b"), Context()).known
+
+
+def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():
+    c = Coordinator(CoordinatorParams(1, 3, 2), clock=FakeClock())
+    register(c, "a")
+    register(c, "b")
+    c.Leave(pb.LeaveRequest(worker_id="a", reason="done"), Context())
+    assert c.membership.version == 2 and members(c) == ["b"]
+    register(c, "a")
+    assert c.membership.version == 3 and members(c) == ["b", "a"]
+
+
+def test_extra_workers_beyond_max_wait_as_standbys():
+    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    for wid in "abc":
+        register(c, wid)
+    assert members(c) == ["a", "b"]
+    c.Leave(pb.LeaveRequest(worker_id="a"), Context())
+    assert members(c) == ["b", "c"]
+
+
+def test_same_id_from_another_address_is_refused():
+    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    register(c, "a", "h:1")
+    register(c, "a", "h:1")  # a retry is fine
+    with pytest.raises(grpc.RpcError, match="already registered"):
+        register(c, "a", "h:2")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_workers": 0}, "min_workers=0"),
+        ({"min_workers": 3, "max_workers": 2, "target_workers": 2}, "max_workers=2"),
+        ({"min_workers": 1, "max_workers": 2, "target_workers": 3}, "workers=3"),
+        ({"heartbeat_interval_s": 5, "heartbeat_timeout_s": 2}, "heartbeat_interval_s=5"),
+    ],
+)
+def test_invalid_params_name_the_value(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        CoordinatorParams(**kwargs)
+
+
+@pytest.fixture
+def served():
+    token = new_token()
+    server = CoordinatorServer(
+        CoordinatorParams(2, 2, 2, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5), "127.0.0.1:0", token, TransportOptions()
+    )
+    yield server, token
+    server.stop(0)
+
+
+def test_clients_rendezvous_over_grpc_and_a_silent_worker_is_dropped(served):
+    server, token = served
+    address = f"127.0.0.1:{server.port}"
+    clients = [CoordinatorClient(address, f"w{i}", token, TransportOptions()) for i in range(2)]
+    try:
+        results = [None, None]
+
+        def join(i):
+            clients[i].register(f"127.0.0.1:{1000 + i}", timeout=5)
+            results[i] = clients[i].wait_for_membership(0, timeout=10)
+
+        threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert results[0] == results[1] and results[0].version == 1 and results[0].size == 2
+        clients[0].start_heartbeats(lambda: 1, lambda response: None)  # w1 stays silent
+        newer = clients[0].wait_for_membership(1, timeout=10)
+        assert [m.worker_id for m in newer.members] == ["w0"]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_waiting_for_min_workers_times_out_with_a_clear_error(served):
+    server, token = served
+    client = CoordinatorClient(f"127.0.0.1:{server.port}", "lonely", token, TransportOptions())
+    try:
+        client.register("127.0.0.1:1", timeout=5)
+        start = time.monotonic()
+        # Longer than the heartbeat timeout: waiting keeps the worker registered.
+        with pytest.raises(RendezvousTimeoutError, match="1 worker\\(s\\) registered, at least 2 needed"):
+            client.wait_for_membership(0, timeout=1.5)
+        assert time.monotonic() - start < 5
+    finally:
+        client.close()
+
+
+def test_unreachable_coordinator_is_a_rendezvous_error():
+    client = CoordinatorClient("127.0.0.1:1", "w", new_token(), TransportOptions())
+    try:
+        with pytest.raises(RendezvousError, match="cannot reach the coordinator"):
+            client.register("127.0.0.1:2", timeout=1.0)
+    finally:
+        client.close()

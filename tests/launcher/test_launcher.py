@@ -1,0 +1,94 @@
+"""``elasticdl-strategy run``: argument errors, output prefixes, failures, signals."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import Job, launcher_argv, run_job, worker_script
+
+ENV = {"PYTHONPATH": os.getcwd()}
+
+
+def cli(*args, timeout=30):
+    return subprocess.run(
+        [sys.executable, "-m", "elasticdl_strategy", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--workers", "0", "--", "true"], "--workers=0"),
+        (["run", "--workers", "2", "--min-workers", "3", "--", "true"], "--min-workers=3"),
+        (["run", "--workers", "2", "--max-workers", "1", "--", "true"], "--max-workers=1"),
+        (["run", "--workers", "2", "--bogus", "--", "true"], "unrecognized arguments: --bogus"),
+        (["run", "--workers", "2"], "missing command"),
+        (["run", "--workers", "2", "--", "no-such-command-xyz"], "command not found"),
+        (["run", "--workers", "two", "--", "true"], "invalid int value"),
+        (["frobnicate"], "unknown command"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_before_starting_anything(args, message):
+    start = time.monotonic()
+    result = cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "[coordinator]" not in result.stdout + result.stderr
+    assert time.monotonic() - start < 15
+
+
+def test_port_in_use_is_refused_before_starting_anything():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = cli("run", "--workers", "1", "--port", str(port), "--", "true")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert f"--port={port}" in result.stderr
+
+
+def test_output_is_prefixed_and_success_exits_0(tmp_path):
+    job = run_job(2, [sys.executable, worker_script("plain.py"), "hello", str(tmp_path)], timeout=60)
+    assert job.returncode == 0, job.stderr
+    assert "[worker 0] hello from worker-0" in job.stdout
+    assert "[worker 1] hello from worker-1" in job.stdout
+
+
+@pytest.mark.slow
+def test_workers_join_through_collective_init(tmp_path):
+    job = run_job(3, [sys.executable, worker_script("collective_example.py")], timeout=90, env=ENV)
+    assert job.returncode == 0, job.stderr[-2000:]
+    for rank in range(3):
+        assert f"rank {rank} of 3 total 3" in job.stdout
+
+
+def test_failing_worker_is_reported_with_exit_code_and_stderr_tail(tmp_path):
+    job = run_job(2, [sys.executable, worker_script("plain.py"), "fail-one", str(tmp_path)], timeout=60)
+    assert job.returncode == 1
+    assert "worker 1 exited with code 3" in job.stderr
+    assert "something went wrong: boom" in job.stderr.split("worker 1 exited with code 3", 1)[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_are_forwarded_to_every_worker(tmp_path, sig):
+    job = Job(launcher_argv(2, [sys.executable, worker_script("plain.py"), "wait-for-signal", str(tmp_path)]))
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+            assert time.monotonic() < deadline, "workers did not start"
+            assert job.proc.poll() is None, job.proc.communicate()
+            time.sleep(0.05)
+        job.proc.send_signal(sig)
+        job.proc.wait(timeout=30)
+        assert job.proc.returncode == 128 + sig
+        assert all((tmp_path / f"term{i}").exists() for i in range(2))
+    finally:
+        job.kill()

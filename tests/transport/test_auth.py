@@ -1,0 +1,82 @@
+"""The job token: calls without it or with a wrong one are rejected and change nothing."""
+
+import grpc
+import numpy as np
+import pytest
+
+from elasticdl_strategy.coordinator import CoordinatorParams
+from elasticdl_strategy.coordinator.client import CoordinatorClient
+from elasticdl_strategy.coordinator.server import CoordinatorServer
+from elasticdl_strategy.errors import AuthenticationError, ConfigError
+from elasticdl_strategy.transport import frames
+from elasticdl_strategy.transport.auth import TOKEN_METADATA_KEY, new_token
+from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.peer_link import ABORT_METHOD, TRANSFER_METHOD
+from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc, peer_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tests.cluster import ThreadCluster
+
+BAD_METADATA = [None, ((TOKEN_METADATA_KEY, "x" * 64),)]
+
+
+@pytest.fixture
+def cluster():
+    with ThreadCluster(2) as c:
+        yield c
+
+
+@pytest.mark.parametrize("metadata", BAD_METADATA, ids=["no-token", "wrong-token"])
+def test_peer_rpcs_without_the_token_are_rejected_and_the_ring_is_unaffected(cluster, metadata, caplog):
+    channel = grpc.insecure_channel(cluster.addresses[1])
+    abort = channel.unary_unary(ABORT_METHOD, peer_pb2.AbortRequest.SerializeToString, peer_pb2.AbortResponse.FromString)
+    with pytest.raises(grpc.RpcError) as info:
+        abort(peer_pb2.AbortRequest(src_rank=0, membership_version=1, kind="mismatch", reason="forged"), metadata=metadata, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    transfer = channel.stream_unary(TRANSFER_METHOD, None, peer_pb2.TransferSummary.FromString)
+    hello = frames.encode_hello(peer_pb2.StreamHello(src_rank=0, membership_version=1))
+    header = peer_pb2.MessageHeader(channel=1, tag=0, sequence=0, nbytes=8, dtype="float32", shape=[2], inline_data=b"\0" * 8)
+    with pytest.raises(grpc.RpcError) as info:
+        transfer(iter([hello, frames.encode_header(header)]), metadata=metadata, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+
+    assert "rejected" in caplog.text and cluster.token not in caplog.text
+    results = cluster.run(lambda c: c.allreduce(np.full(3, c.rank + 1.0)))
+    for r in results:
+        np.testing.assert_array_equal(r, [3.0, 3.0, 3.0])
+
+
+def test_health_answers_without_a_token(cluster):
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("metadata", BAD_METADATA, ids=["no-token", "wrong-token"])
+def test_coordinator_rejects_calls_without_the_token_and_keeps_its_state(metadata):
+    token = new_token()
+    server = CoordinatorServer(CoordinatorParams(1, 2, 1), "127.0.0.1:0", token, TransportOptions())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            for call, request in [
+                (stub.Register, coordinator_pb2.RegisterRequest(worker_id="intruder", address="127.0.0.1:1")),
+                (stub.Leave, coordinator_pb2.LeaveRequest(worker_id="intruder")),
+                (stub.Heartbeat, coordinator_pb2.HeartbeatRequest(worker_id="intruder")),
+            ]:
+                with pytest.raises(grpc.RpcError) as info:
+                    call(request, metadata=metadata, timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert server.coordinator.membership.version == 0
+        client = CoordinatorClient(f"127.0.0.1:{server.port}", "w", "y" * 64, TransportOptions())
+        with pytest.raises(AuthenticationError, match="EDL_JOB_TOKEN"):
+            client.register("127.0.0.1:2", timeout=5)
+        client.close()
+    finally:
+        server.stop(0)
+
+
+def test_short_token_is_refused():
+    with pytest.raises(ConfigError, match="at least 16"):
+        ThreadCluster(1, token="short")

@@ -1,0 +1,31 @@
+import pytest
+
+from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.options import MiB, TransportOptions
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"chunk_size": 1000}, "chunk_size=1000"),
+        ({"chunk_size": 128 * MiB}, "chunk_size="),
+        ({"inline_threshold": 8 * MiB}, "inline_threshold="),
+        ({"timeout_s": 0}, "timeout_s=0"),
+        ({"keepalive_s": -1}, "keepalive_s=-1"),
+    ],
+)
+def test_invalid_options_name_the_bad_value(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TransportOptions(**kwargs)
+
+
+def test_message_limits_are_explicit_and_above_the_chunk_size():
+    options = dict(TransportOptions(chunk_size=2 * MiB).grpc_options())
+    assert options["grpc.max_send_message_length"] > 2 * MiB
+    assert options["grpc.max_receive_message_length"] > 2 * MiB
+
+
+def test_from_env_parses_and_rejects():
+    assert TransportOptions.from_env({"EDL_CHUNK_SIZE": str(MiB), "EDL_TIMEOUT": "5"}).timeout_s == 5.0
+    with pytest.raises(ConfigError, match="EDL_TIMEOUT='soon'"):
+        TransportOptions.from_env({"EDL_TIMEOUT": "soon"})

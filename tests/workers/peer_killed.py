@@ -1,0 +1,42 @@
+"""Worker of test_failures.py: the last rank SIGKILLs itself during a stream of all-reduces.
+
+Survivors write ``{results_dir}/rank{r}.json`` with the error they got and when.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from elasticdl_strategy import collective, errors
+
+
+def main(results_dir: str) -> None:
+    collective.init()
+    rank, n = collective.rank(), collective.size()
+    victim = n - 1
+    collective.barrier()
+    if rank == victim:
+        for _ in range(20):
+            collective.allreduce(np.ones(1 << 16, np.float32))
+        with open(os.path.join(results_dir, "victim.json"), "w") as f:
+            json.dump({"rank": rank, "killed_at": time.time()}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+    outcome = {"rank": rank, "error": None}
+    try:
+        for _ in range(100_000):
+            collective.allreduce(np.ones(1 << 16, np.float32))
+    except errors.ElasticDLError as e:
+        outcome.update(
+            error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e)
+        )
+    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    sys.exit(3 if outcome["error"] else 0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

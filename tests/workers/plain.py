@@ -1,0 +1,30 @@
+"""Worker of test_launcher.py: behaves as told by argv, per launch index (EDL_LOCAL_INDEX)."""
+
+import os
+import signal
+import sys
+import time
+
+index = int(os.environ["EDL_LOCAL_INDEX"])
+mode, out_dir = sys.argv[1], sys.argv[2]
+
+if mode == "hello":
+    print(f"hello from {os.environ['EDL_WORKER_ID']}", flush=True)
+    assert os.environ["EDL_JOB_TOKEN"] and os.environ["EDL_COORDINATOR_ADDR"]
+elif mode == "fail-one":
+    if index == 1:
+        print("something went wrong: boom", file=sys.stderr, flush=True)
+        sys.exit(3)
+    time.sleep(0.2)
+elif mode == "wait-for-signal":
+    def on_term(signum, frame):
+        open(os.path.join(out_dir, f"term{index}"), "w").close()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    open(os.path.join(out_dir, f"ready{index}"), "w").close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    sys.exit(4)
