@@ -60,11 +60,13 @@ class ThreadCluster:
         return outcomes
 
     def close(self) -> None:
-        for comm in self.communicators:
-            comm.close(timeout=2.0)
-        for server in self.servers:
-            server.stop(grace=0.2)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            for comm in self.communicators:
+                comm.close(timeout=2.0)
+        finally:
+            for server in self.servers:
+                server.stop(grace=0.2)
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "ThreadCluster":
         return self

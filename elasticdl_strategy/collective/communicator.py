@@ -78,6 +78,7 @@ class Communicator:
         self._current: Optional[peer_pb2.CollectiveDescriptor] = None
         self._early: Dict[int, List[tuple]] = {}
         self._error_factory: Optional[Callable[[], CommunicationError]] = None
+        self._abort_request: Optional[peer_pb2.AbortRequest] = None
         p2p.header_observer = self._observe
         p2p.abort_observer = self._on_remote_abort
         p2p._on_peer_failure = self._on_peer_failure
@@ -370,14 +371,29 @@ class Communicator:
             make = lambda: CollectiveTimeoutError(message, waiting_for=ranks, rank=self.rank)  # noqa: E731
         else:
             make = lambda: CommunicationError(message, rank=self.rank)  # noqa: E731
-        self._abort(make, kind=None, reason=request.reason, ranks=ranks)
+        self._abort(make, kind=None, reason=request.reason, ranks=ranks, request=request)
 
-    def _abort(self, make_error: Callable[[], CommunicationError], kind: Optional[str], reason: str, ranks) -> None:
-        """Fails the current and every later collective; tells the peers unless ``kind`` is None."""
+    def _abort(
+        self,
+        make_error: Callable[[], CommunicationError],
+        kind: Optional[str],
+        reason: str,
+        ranks,
+        request: Optional[peer_pb2.AbortRequest] = None,
+    ) -> None:
+        """Fails the current and every later collective; tells the peers unless ``kind`` is None
+        (an abort that came from a peer, which told everyone itself)."""
         with self._lock:
             if self._error_factory is not None:
                 return
             self._error_factory = make_error
+            self._abort_request = request or peer_pb2.AbortRequest(
+                src_rank=self.rank,
+                membership_version=self.p2p.membership_version,
+                kind=kind,
+                reason=reason,
+                ranks=list(ranks),
+            )
         logger.error("rank %d: collectives aborted: %s", self.rank, reason)
         self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
         if kind is not None:
@@ -404,7 +420,7 @@ class Communicator:
 
     def close(self, timeout: float = 5.0) -> None:
         """Ends the streams of this communicator; later calls raise CommunicatorClosedError."""
-        self.p2p.close(timeout)
+        self.p2p.close(timeout, abort=self._abort_request)
 
 
 class _Running:

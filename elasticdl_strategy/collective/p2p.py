@@ -355,16 +355,27 @@ class PointToPoint:
                     self._streams[dst] = stream
         return stream
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flushes and ends every stream, then closes the channels. Idempotent."""
+    def close(self, timeout: float = 5.0, abort: Optional[peer_pb2.AbortRequest] = None) -> None:
+        """Flushes and ends every stream, then closes the channels. Idempotent.
+
+        ``abort``, when the collectives had failed, travels in the goodbye so
+        that peers report the original error rather than this rank leaving.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             streams, channels = list(self._streams.values()), list(self._channels.values())
         deadline = time.monotonic() + timeout
+        # Aborts first: a peer must learn why before it sees this rank leave.
+        for call in list(self._aborts_in_flight):
+            try:
+                call.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass  # that peer is gone or slow; it learns of the failure another way
+        goodbye = peer_pb2.Goodbye(reason="closed", abort=abort)
         for stream in streams:
-            stream.close(timeout=max(0.1, deadline - time.monotonic()))
+            stream.close(timeout=max(0.1, deadline - time.monotonic()), goodbye=goodbye)
         for channel in channels:
             channel.close()
         closed = lambda: CommunicatorClosedError(f"rank {self.rank}: the communicator is shut down", rank=self.rank)  # noqa: E731
@@ -385,9 +396,12 @@ class _InboundStream:
             p2p.header_observer(self._src, header.collective)
         return p2p.mailbox.deliver(self._src, header)
 
-    def on_closed(self, error: Optional[str]) -> None:
+    def on_closed(self, error: Optional[str], goodbye: Optional[peer_pb2.Goodbye]) -> None:
         if error is not None:
             self._p2p.peer_failed(self._src, error)
+            return
+        if goodbye is not None and goodbye.HasField("abort"):
+            self._p2p.on_abort(goodbye.abort)
         else:
             self._p2p.peer_failed(self._src, "it closed its communicator (shut down or left)", clean=True)
 

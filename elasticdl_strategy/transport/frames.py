@@ -68,8 +68,8 @@ def encode_header(header: peer_pb2.MessageHeader) -> bytes:
     return peer_pb2.Frame(header=header).SerializeToString()
 
 
-def encode_goodbye(reason: str) -> bytes:
-    return peer_pb2.Frame(goodbye=peer_pb2.Goodbye(reason=reason)).SerializeToString()
+def encode_goodbye(goodbye: peer_pb2.Goodbye) -> bytes:
+    return peer_pb2.Frame(goodbye=goodbye).SerializeToString()
 
 
 def decode_control(frame: bytes) -> peer_pb2.Frame:

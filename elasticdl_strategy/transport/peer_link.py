@@ -15,7 +15,7 @@ import collections
 import logging
 import threading
 from concurrent import futures
-from typing import Callable, Deque, Optional, Protocol
+from typing import Callable, Deque, Optional, Protocol, Tuple
 
 import grpc
 
@@ -76,6 +76,7 @@ class OutboundStream:
         self._queue: Deque[OutgoingMessage] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._goodbye = peer_pb2.Goodbye(reason="closed")
         self._error: Optional[str] = None
         self.bytes_sent = 0
         call = channel.stream_unary(
@@ -100,9 +101,11 @@ class OutboundStream:
             self._queue.append(message)
             self._cond.notify()
 
-    def close(self, timeout: float) -> None:
-        """Flushes queued messages, ends the stream and waits up to ``timeout`` for the peer's reply."""
+    def close(self, timeout: float, goodbye: Optional[peer_pb2.Goodbye] = None) -> None:
+        """Flushes queued messages, sends ``goodbye``, ends the stream and waits up to ``timeout`` for the peer."""
         with self._cond:
+            if goodbye is not None:
+                self._goodbye = goodbye
             self._closing = True
             self._cond.notify_all()
         try:
@@ -136,7 +139,7 @@ class OutboundStream:
             message = self._next_message()
             if message is None:
                 if self._error is None:
-                    yield frames.encode_goodbye("closed")
+                    yield frames.encode_goodbye(self._goodbye)
                 return
             yield message.header_frame
             payload, size = message.payload, message.chunk_size
@@ -187,8 +190,8 @@ class StreamReceiver(Protocol):
     def on_header(self, header: peer_pb2.MessageHeader) -> MessageWriter:
         """A message begins; returns where its bytes go."""
 
-    def on_closed(self, error: Optional[str]) -> None:
-        """The stream ended: ``error`` is None after a goodbye, else why it broke."""
+    def on_closed(self, error: Optional[str], goodbye: Optional[peer_pb2.Goodbye]) -> None:
+        """The stream ended: after ``goodbye`` (``error`` None), or broken for the reason ``error``."""
 
 
 class StreamListener(Protocol):
@@ -234,9 +237,9 @@ class PeerService:
         except (StopIteration, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stream rejected: {e}")
         error: Optional[str] = "the stream ended without a goodbye (the sender died or lost its connection)"
-        messages = 0
+        messages, goodbye = 0, None
         try:
-            messages = self._receive(frame_iterator, receiver)
+            messages, goodbye = self._receive(frame_iterator, receiver)
             error = None
         except grpc.RpcError:
             error = "the connection broke (the sender died or the network failed)"
@@ -246,18 +249,18 @@ class PeerService:
             logger.exception("receiving stream failed")
             error = f"receiving failed: {e!r}"
         finally:
-            receiver.on_closed(error)
+            receiver.on_closed(error, goodbye)
         if error is not None:
             context.abort(grpc.StatusCode.DATA_LOSS, error)
         return peer_pb2.TransferSummary(messages=messages)
 
     @staticmethod
-    def _receive(frame_iterator, receiver: StreamReceiver) -> int:
+    def _receive(frame_iterator, receiver: StreamReceiver) -> Tuple[int, peer_pb2.Goodbye]:
         messages = 0
         for frame in frame_iterator:
             control = frames.decode_control(frame)
             if control.WhichOneof("kind") == "goodbye":
-                return messages
+                return messages, control.goodbye
             header = control.header
             writer = receiver.on_header(header)
             if header.inline_data or header.nbytes == 0:

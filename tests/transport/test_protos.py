@@ -59,6 +59,6 @@ def test_chunk_frame_is_a_valid_frame_and_parses_without_copy():
 def test_control_frames_round_trip():
     header = peer_pb2.MessageHeader(channel=1, tag=3, sequence=9, nbytes=12, dtype="float32", shape=[3])
     assert frames.decode_control(frames.encode_header(header)).header == header
-    assert frames.decode_control(frames.encode_goodbye("bye")).WhichOneof("kind") == "goodbye"
+    assert frames.decode_control(frames.encode_goodbye(peer_pb2.Goodbye(reason="bye"))).WhichOneof("kind") == "goodbye"
     with pytest.raises(ValueError):
         frames.chunk_payload(frames.encode_header(header))
