@@ -10,6 +10,8 @@ import uuid
 from typing import Dict, List, Optional, Sequence
 
 WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
+# Worker scripts import tests.* helpers: make the checkout importable whatever the cwd.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def worker_script(name: str) -> str:
@@ -43,12 +45,14 @@ class Job:
     def __init__(self, argv: Sequence[str], env: Optional[Dict[str, str]] = None):
         self.marker = f"{_MARKER}={uuid.uuid4().hex}"
         key, value = self.marker.split("=")
+        full_env = {**os.environ, **(env or {}), key: value}
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, full_env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             list(argv),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **(env or {}), key: value},
+            env=full_env,
             start_new_session=True,
         )
 

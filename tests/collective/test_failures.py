@@ -1,7 +1,6 @@
 """Failures between processes: a SIGKILLed peer, ranks that disagree."""
 
 import json
-import os
 import sys
 
 import pytest
@@ -10,12 +9,9 @@ from tests.launch import run_job, worker_script
 
 pytestmark = pytest.mark.slow
 
-ENV = {"PYTHONPATH": os.getcwd()}
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, n):
-    job = run_job(n, [sys.executable, worker_script("peer_killed.py"), str(tmp_path)], timeout=90, env=ENV)
+    job = run_job(n, [sys.executable, worker_script("peer_killed.py"), str(tmp_path)], timeout=90)
     victim = json.loads((tmp_path / "victim.json").read_text())
     assert job.returncode != 0  # the launcher reports the killed worker
     assert "was killed by signal 9" in job.stderr
@@ -31,7 +27,7 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
 
 def test_shape_mismatch_between_processes_raises_on_every_rank(tmp_path):
     n = 3
-    job = run_job(n, [sys.executable, worker_script("mismatch.py"), str(tmp_path)], timeout=90, env=ENV)
+    job = run_job(n, [sys.executable, worker_script("mismatch.py"), str(tmp_path)], timeout=90)
     assert job.returncode == 0, job.stderr[-2000:]
     for rank in range(n):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -9,10 +9,7 @@ import time
 
 import pytest
 
-from tests.launch import Job, launcher_argv, run_job, worker_script
-
-ENV = {"PYTHONPATH": os.getcwd()}
-
+from tests.launch import REPO_ROOT, Job, launcher_argv, run_job, worker_script
 
 def cli(*args, timeout=30):
     return subprocess.run(
@@ -64,7 +61,7 @@ def test_output_is_prefixed_and_success_exits_0(tmp_path):
 
 @pytest.mark.slow
 def test_workers_join_through_collective_init(tmp_path):
-    job = run_job(3, [sys.executable, worker_script("collective_example.py")], timeout=90, env=ENV)
+    job = run_job(3, [sys.executable, worker_script("collective_example.py")], timeout=90)
     assert job.returncode == 0, job.stderr[-2000:]
     for rank in range(3):
         assert f"rank {rank} of 3 total 3" in job.stdout
@@ -92,3 +89,11 @@ def test_signals_are_forwarded_to_every_worker(tmp_path, sig):
         assert all((tmp_path / f"term{i}").exists() for i in range(2))
     finally:
         job.kill()
+
+
+@pytest.mark.slow
+def test_readme_example_trains_on_two_workers():
+    example = os.path.join(REPO_ROOT, "examples", "train_linear_numpy.py")
+    job = run_job(2, [sys.executable, example, "--steps", "120"], timeout=90)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert job.stdout.count("weights identical on all ranks: True") == 2
