@@ -11,6 +11,7 @@ from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.environment import WorkerEnvironment
+from elasticdl_strategy.transport.allocator import tune_for_streaming
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.worker_server import WorkerServer
 
@@ -48,6 +49,7 @@ class Worker:
 
     @classmethod
     def join(cls, env: WorkerEnvironment) -> "Worker":
+        tune_for_streaming()
         server = WorkerServer(f"{env.bind_host}:0", env.token, env.transport)
         client = None
         worker: Optional[Worker] = None
