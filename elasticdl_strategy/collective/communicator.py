@@ -68,6 +68,8 @@ class Communicator:
     Args:
         p2p: the point-to-point endpoint of this membership.
         timeout_s: default deadline of every collective.
+
+    Collectives must be called from one thread at a time, in the same order on every rank.
     """
 
     def __init__(self, p2p: PointToPoint, timeout_s: Optional[float] = None):
@@ -81,7 +83,7 @@ class Communicator:
         self._abort_request: Optional[peer_pb2.AbortRequest] = None
         p2p.header_observer = self._observe
         p2p.abort_observer = self._on_remote_abort
-        p2p._on_peer_failure = self._on_peer_failure
+        p2p.failure_observer = self._on_peer_failure
 
     @property
     def rank(self) -> int:
@@ -253,7 +255,7 @@ class Communicator:
 
     # ---- building blocks ------------------------------------------------------------------
 
-    def _direct_broadcast(self, step: ring.RingStep, flat: np.ndarray, root: int) -> None:
+    def _direct_broadcast(self, step: ring.CollectiveCall, flat: np.ndarray, root: int) -> None:
         if self.rank == root:
             for dst in range(self.size):
                 if dst != root:
@@ -261,7 +263,7 @@ class Communicator:
         else:
             step.wait(step.recv_into(flat, root))
 
-    def _scatter_segments(self, step: ring.RingStep, flat: np.ndarray, bounds, root: int) -> None:
+    def _scatter_segments(self, step: ring.CollectiveCall, flat: np.ndarray, bounds, root: int) -> None:
         if self.rank == root:
             for dst in range(self.size):
                 if dst != root:
@@ -270,7 +272,7 @@ class Communicator:
             start, stop = bounds[self.rank]
             step.wait(step.recv_into(flat[start:stop], root))
 
-    def _gather_segments(self, step: ring.RingStep, flat: np.ndarray, bounds, root: int) -> None:
+    def _gather_segments(self, step: ring.CollectiveCall, flat: np.ndarray, bounds, root: int) -> None:
         if self.rank != root:
             start, stop = bounds[self.rank]
             step.send(flat[start:stop], root)
@@ -297,7 +299,7 @@ class Communicator:
 
     # ---- sequencing, mismatch detection, aborts -------------------------------------------
 
-    def _begin(self, op: str, dtype, shape, reduce_op: str = "", root: int = -1, timeout=None) -> ring.RingStep:
+    def _begin(self, op: str, dtype, shape, reduce_op: str = "", root: int = -1, timeout=None) -> ring.CollectiveCall:
         timeout = self.timeout_s if timeout is None else timeout
         if not timeout > 0:
             raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
@@ -316,9 +318,9 @@ class Communicator:
             early = self._early.pop(descriptor.sequence, [])
         for src, theirs in early:
             self._check(descriptor, src, theirs)
-        return ring.RingStep(self.p2p, descriptor, time.monotonic() + timeout)
+        return ring.CollectiveCall(self.p2p, descriptor, time.monotonic() + timeout)
 
-    def _running(self, step: ring.RingStep):
+    def _running(self, step: ring.CollectiveCall):
         return _Running(self, step)
 
     def _observe(self, src: int, theirs: peer_pb2.CollectiveDescriptor) -> None:
@@ -403,7 +405,7 @@ class Communicator:
         if self._error_factory is not None:
             raise self._error_factory()
 
-    def on_timeout(self, step: ring.RingStep, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+    def on_timeout(self, step: ring.CollectiveCall, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
         waiting = sorted(set(error.waiting_for) | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
         d = step.descriptor
         message = (
@@ -426,7 +428,7 @@ class Communicator:
 class _Running:
     """Context for one collective: turns a timeout into an abort of all ranks."""
 
-    def __init__(self, communicator: Communicator, step: ring.RingStep):
+    def __init__(self, communicator: Communicator, step: ring.CollectiveCall):
         self._communicator = communicator
         self._step = step
 

@@ -116,9 +116,13 @@ class PointToPoint:
         membership_version: version of the membership these ranks come from.
         token: the job token.
         options: transport settings.
-        on_peer_failure: called (from a gRPC thread) with ``(peer_rank, reason, clean)``
-            the first time a peer's stream ends; ``clean`` is True when the peer
-            closed its communicator on purpose.
+        worker_ids: the worker id of every rank, for error messages.
+
+    Observers, set by the communicator and called from gRPC threads:
+    ``header_observer(src, CollectiveDescriptor)`` for every collective message,
+    ``abort_observer(AbortRequest)`` for every abort a peer sends, and
+    ``failure_observer(peer_rank, reason, clean)`` the first time a peer's
+    stream ends (``clean``: the peer closed its communicator on purpose).
     """
 
     def __init__(
@@ -130,7 +134,6 @@ class PointToPoint:
         options: TransportOptions,
         worker_id: str = "",
         worker_ids: Optional[Sequence[str]] = None,
-        on_peer_failure: Optional[Callable[[int, str, bool], None]] = None,
     ):
         if not 0 <= rank < len(addresses):
             raise ConfigError(f"rank {rank} is outside a membership of {len(addresses)} workers")
@@ -142,11 +145,9 @@ class PointToPoint:
         self.options = options
         self._token = token
         self._worker_id = worker_id
-        self._on_peer_failure = on_peer_failure
-        # Set by the communicator: called with (src, CollectiveDescriptor) for every collective message.
         self.header_observer: Optional[Callable[[int, peer_pb2.CollectiveDescriptor], None]] = None
-        # Set by the communicator: called with every AbortRequest a peer sends.
         self.abort_observer: Optional[Callable[[peer_pb2.AbortRequest], None]] = None
+        self.failure_observer: Optional[Callable[[int, str, bool], None]] = None
         self.mailbox = Mailbox(rank)
         self._lock = threading.Lock()
         self._channels: Dict[int, grpc.Channel] = {}
@@ -286,8 +287,8 @@ class PointToPoint:
         if not clean:
             logger.warning("rank %d: %s failed: %s", self.rank, self.describe_peer(peer), reason)
         self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
-        if self._on_peer_failure is not None:
-            self._on_peer_failure(peer, reason, clean)
+        if self.failure_observer is not None:
+            self.failure_observer(peer, reason, clean)
 
     def on_abort(self, request: peer_pb2.AbortRequest) -> None:
         if self.abort_observer is not None and 0 <= request.src_rank < self.size:

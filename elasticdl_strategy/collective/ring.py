@@ -33,8 +33,8 @@ def even_bounds(length: int, parts: int) -> Bounds:
     return bounds
 
 
-class RingStep:
-    """What every message of one collective carries, and its deadline."""
+class CollectiveCall:
+    """One collective in progress: the descriptor its messages carry, its deadline, its pending sends."""
 
     def __init__(self, p2p: PointToPoint, descriptor: peer_pb2.CollectiveDescriptor, deadline: float):
         self.p2p = p2p
@@ -63,7 +63,7 @@ class RingStep:
         self.sends = []
 
 
-def reduce_scatter(step: RingStep, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int) -> None:
+def reduce_scatter(step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int) -> None:
     """Ring reduce-scatter in place on the 1-D ``flat``.
 
     Afterwards segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.
@@ -79,7 +79,7 @@ def reduce_scatter(step: RingStep, flat: np.ndarray, bounds: Sequence[Tuple[int,
         step.wait(request)
 
 
-def allgather(step: RingStep, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], owned: int) -> None:
+def allgather(step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], owned: int) -> None:
     """Ring all-gather in place on the 1-D ``flat``, each rank starting with segment ``(rank + owned) % N``."""
     p2p = step.p2p
     n, rank = p2p.size, p2p.rank
@@ -92,7 +92,7 @@ def allgather(step: RingStep, flat: np.ndarray, bounds: Sequence[Tuple[int, int]
         step.wait(request)
 
 
-def allreduce(step: RingStep, flat: np.ndarray, ufunc: Callable) -> None:
+def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     """Bandwidth-optimal ring all-reduce in place on the 1-D ``flat``."""
     bounds = even_bounds(flat.size, step.p2p.size)
     reduce_scatter(step, flat, bounds, ufunc, owned=1)

@@ -25,6 +25,27 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         assert outcome["at"] - victim["killed_at"] < 2.0, outcome
 
 
+def test_hung_peer_is_declared_dead_by_the_coordinator_and_survivors_raise(tmp_path):
+    n, heartbeat_timeout = 3, 2.0
+    job = run_job(
+        n,
+        [sys.executable, worker_script("peer_killed.py"), str(tmp_path), "stop"],
+        extra=["--heartbeat-timeout", str(heartbeat_timeout)],
+        timeout=90,
+    )
+    victim = json.loads((tmp_path / "victim.json").read_text())
+    assert job.returncode != 0
+    for rank in range(n):
+        if rank == victim["rank"]:
+            continue
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["error"] == "PeerFailureError", outcome
+        assert outcome["peer_rank"] == victim["rank"], outcome
+        assert "removed it in membership version 2" in outcome["message"], outcome
+        # heartbeat timeout + the coordinator's reaping period + one heartbeat interval
+        assert outcome["at"] - victim["killed_at"] < heartbeat_timeout + 3.0, outcome
+
+
 def test_shape_mismatch_between_processes_raises_on_every_rank(tmp_path):
     n = 3
     job = run_job(n, [sys.executable, worker_script("mismatch.py"), str(tmp_path)], timeout=90)

@@ -1,4 +1,4 @@
-"""Worker of test_failures.py: the last rank SIGKILLs itself during a stream of all-reduces.
+"""Worker of test_failures.py: the last rank SIGKILLs (or SIGSTOPs) itself during a stream of all-reduces.
 
 Survivors write ``{results_dir}/rank{r}.json`` with the error they got and when.
 """
@@ -14,7 +14,7 @@ import numpy as np
 from elasticdl_strategy import collective, errors
 
 
-def main(results_dir: str) -> None:
+def main(results_dir: str, how: str) -> None:
     collective.init()
     rank, n = collective.rank(), collective.size()
     victim = n - 1
@@ -24,7 +24,8 @@ def main(results_dir: str) -> None:
             collective.allreduce(np.ones(1 << 16, np.float32))
         with open(os.path.join(results_dir, "victim.json"), "w") as f:
             json.dump({"rank": rank, "killed_at": time.time()}, f)
-        os.kill(os.getpid(), signal.SIGKILL)
+        # SIGSTOP: a hung peer whose sockets stay open; only missed heartbeats reveal it.
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
     outcome = {"rank": rank, "error": None}
     try:
         for _ in range(100_000):
@@ -39,4 +40,4 @@ def main(results_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "kill")
