@@ -98,7 +98,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip().replace("The ``elasticdl-strategy`` command", f"usage: {PROG} COMMAND ...\n\nThe command"))
+        print(
+            __doc__.strip().replace("The ``elasticdl-strategy`` command", f"usage: {PROG} COMMAND ...\n\nThe command")
+        )
         return 0 if argv else 2
     command = _COMMANDS.get(argv[0])
     if command is None:

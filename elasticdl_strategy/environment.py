@@ -83,5 +83,7 @@ class WorkerEnvironment:
         if self.advertise_host:
             return self.advertise_host
         if self.bind_host in ("0.0.0.0", "::", "[::]"):
-            raise ConfigError(f"{BIND_HOST}={self.bind_host} listens everywhere: set {ADVERTISE_HOST} to an address peers can dial")
+            raise ConfigError(
+                f"{BIND_HOST}={self.bind_host} listens everywhere: set {ADVERTISE_HOST} to an address peers can dial"
+            )
         return self.bind_host

@@ -73,5 +73,3 @@ class ThreadCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-

@@ -37,9 +37,27 @@ from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
 from elasticdl_strategy.errors import ElasticDLError
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "rank", "size", "communicator", "stats",
-    "allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "reduce_scatter", "barrier",
-    "send", "recv", "isend", "irecv", "Request", "Communicator",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "communicator",
+    "stats",
+    "allreduce",
+    "reduce",
+    "broadcast",
+    "allgather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "Request",
+    "Communicator",
 ]
 
 logger = logging.getLogger(__name__)

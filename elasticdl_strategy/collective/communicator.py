@@ -95,7 +95,9 @@ class Communicator:
 
     # ---- collectives ----------------------------------------------------------------------
 
-    def allreduce(self, array, op: str = "sum", out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
+    def allreduce(
+        self, array, op: str = "sum", out: Optional[np.ndarray] = None, timeout: Optional[float] = None
+    ) -> np.ndarray:
         """Reduces ``array`` over all ranks; every rank gets the bitwise-identical result.
 
         Args:
@@ -284,7 +286,12 @@ class Communicator:
     def _output_buffer(self, array: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
         if out is None:
             return np.array(array, copy=True)
-        if not isinstance(out, np.ndarray) or out.shape != array.shape or out.dtype != array.dtype or not out.flags.c_contiguous:
+        if (
+            not isinstance(out, np.ndarray)
+            or out.shape != array.shape
+            or out.dtype != array.dtype
+            or not out.flags.c_contiguous
+        ):
             raise ConfigError(
                 f"out must be a C-contiguous array of shape {array.shape} and dtype {array.dtype}, "
                 f"got {getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}"

@@ -120,7 +120,7 @@ class _Entry:
             if self.sink is None:
                 self.buffered.append((offset, data))
             else:
-                self._apply(lambda: self.sink.write(offset, data))
+                self._apply(self.sink.write, offset, data)
 
     def finish(self) -> None:
         with self.lock:
@@ -131,15 +131,15 @@ class _Entry:
         with self.lock:
             self.header = header
             if self.sink is not None:
-                self._apply(lambda: self.sink.begin(self.src, header))
+                self._apply(self.sink.begin, self.src, header)
 
     def attach(self, sink: Sink) -> None:
         with self.lock:
             self.sink = sink
             if self.header is not None:
-                self._apply(lambda: sink.begin(self.src, self.header))
+                self._apply(sink.begin, self.src, self.header)
                 for offset, data in self.buffered:
-                    self._apply(lambda: sink.write(offset, data))
+                    self._apply(sink.write, offset, data)
                 self.buffered = []
             self._complete_if_ready()
 
@@ -151,11 +151,11 @@ class _Entry:
             self.buffered = []
             return True
 
-    def _apply(self, step: Callable[[], None]) -> None:
+    def _apply(self, step: Callable, *args) -> None:
         if self.future.done():
             return
         try:
-            step()
+            step(*args)
         except CommunicationError as e:
             self.future.set_exception(e)
             self.buffered = []

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -91,7 +91,9 @@ class Request:
 
         The message it waited for goes to the next receive from the same rank and tag.
         """
-        return self._cancel is not None and self._cancel(CommunicationError(f"rank {self._rank}: {self._describe()} was cancelled", rank=self._rank))
+        return self._cancel is not None and self._cancel(
+            CommunicationError(f"rank {self._rank}: {self._describe()} was cancelled", rank=self._rank)
+        )
 
     def _timeout_error(self, timeout: float) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(
@@ -100,11 +102,6 @@ class Request:
             waiting_for=(self._peer,),
             rank=self._rank,
         )
-
-
-def wait_all(requests: Sequence[Request], deadline: float) -> List:
-    """Waits for every request until the monotonic ``deadline``; returns their results in order."""
-    return [r.wait(timeout=max(0.0, deadline - time.monotonic())) for r in requests]
 
 
 class PointToPoint:
@@ -199,7 +196,9 @@ class PointToPoint:
         describe = lambda: f"send to rank {dst} (tag {tag})"  # noqa: E731
         if dst == self.rank:
             return self._send_to_self(header, payload, describe)
-        message = OutgoingMessage(encode_header(header), memoryview(payload)[:0] if inline else memoryview(payload), self.options.chunk_size)
+        message = OutgoingMessage(
+            encode_header(header), memoryview(payload)[:0] if inline else memoryview(payload), header.chunk_size
+        )
         self._stream_to(dst).submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 
@@ -253,7 +252,9 @@ class PointToPoint:
             cancel=lambda error: self.mailbox.cancel(key, error),
         )
 
-    def recv(self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
+    def recv(
+        self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None
+    ) -> np.ndarray:
         """Receives the next message from ``src`` with ``tag``; see :meth:`irecv`.
 
         On timeout the receive is withdrawn, so a later ``recv`` gets the message.
@@ -293,10 +294,6 @@ class PointToPoint:
     def on_abort(self, request: peer_pb2.AbortRequest) -> None:
         if self.abort_observer is not None and 0 <= request.src_rank < self.size:
             self.abort_observer(request)
-
-    def failed_peers(self) -> Dict[int, str]:
-        with self._lock:
-            return dict(self._failed)
 
     def describe_peer(self, peer: int) -> str:
         """``rank 2 (worker-1 at 10.0.0.3:4000)``, for error messages."""
@@ -352,7 +349,9 @@ class PointToPoint:
                     hello = peer_pb2.StreamHello(
                         src_rank=self.rank, membership_version=self.membership_version, worker_id=self._worker_id
                     )
-                    stream = OutboundStream(channel, hello, self._token, dst, lambda reason: self.peer_failed(dst, reason))
+                    stream = OutboundStream(
+                        channel, hello, self._token, dst, lambda reason: self.peer_failed(dst, reason)
+                    )
                     self._streams[dst] = stream
         return stream
 
@@ -405,4 +404,3 @@ class _InboundStream:
             self._p2p.on_abort(goodbye.abort)
         else:
             self._p2p.peer_failed(self._src, "it closed its communicator (shut down or left)", clean=True)
-

@@ -63,7 +63,9 @@ class CollectiveCall:
         self.sends = []
 
 
-def reduce_scatter(step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int) -> None:
+def reduce_scatter(
+    step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int
+) -> None:
     """Ring reduce-scatter in place on the 1-D ``flat``.
 
     Afterwards segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.

@@ -42,7 +42,8 @@ class Worker:
         self._lock = threading.Lock()
 
     @classmethod
-    def single(cls, options: TransportOptions = TransportOptions()) -> "Worker":
+    def single(cls, options: Optional[TransportOptions] = None) -> "Worker":
+        options = options or TransportOptions()
         membership = Membership(1, (Member("local", "local"),), "single worker")
         p2p = PointToPoint(0, membership.addresses, membership.version, token="", options=options, worker_id="local")
         return cls(membership, "local", Communicator(p2p))

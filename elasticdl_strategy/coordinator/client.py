@@ -122,7 +122,9 @@ class CoordinatorClient:
         request = coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, membership_version=membership_version)
         return self._call(self._stub.Heartbeat, request, _RPC_TIMEOUT_S)
 
-    def start_heartbeats(self, current_version: Callable[[], int], on_response: Callable[[coordinator_pb2.HeartbeatResponse], None]) -> None:
+    def start_heartbeats(
+        self, current_version: Callable[[], int], on_response: Callable[[coordinator_pb2.HeartbeatResponse], None]
+    ) -> None:
         """Heartbeats every ``heartbeat_interval_s`` in a daemon thread, passing each response on."""
 
         def loop():

@@ -34,11 +34,14 @@ class CoordinatorServer:
     def __init__(self, params: CoordinatorParams, bind: str, token: str, options: TransportOptions):
         self.coordinator = Coordinator(params)
         self.health = health.HealthServicer()
+
         def register(server):
             coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
 
-        self._server, self.port = start_server([], bind, validate_token(token), options, max_workers=64, register=register)
+        self._server, self.port = start_server(
+            [], bind, validate_token(token), options, max_workers=64, register=register
+        )
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.coordinator.start_reaper()
 

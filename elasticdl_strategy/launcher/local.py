@@ -87,7 +87,9 @@ def check_port_free(host: str, port: int) -> None:
 class _Process:
     """A child process whose output is copied line by line with a prefix."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: Dict[str, str], out: TextIO, err: TextIO, lock: threading.Lock):
+    def __init__(
+        self, name: str, argv: Sequence[str], env: Dict[str, str], out: TextIO, err: TextIO, lock: threading.Lock
+    ):
         self.name = name
         self.stderr_tail: Deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self.popen = subprocess.Popen(
@@ -222,7 +224,14 @@ class LocalLauncher:
             coordinator = self._start_coordinator()
             for i in range(self.config.workers):
                 self._workers.append(
-                    _Process(f"worker {i}", self.config.command, self._worker_env(i, coordinator), self._out, self._err, self._lock)
+                    _Process(
+                        f"worker {i}",
+                        self.config.command,
+                        self._worker_env(i, coordinator),
+                        self._out,
+                        self._err,
+                        self._lock,
+                    )
                 )
             return self._supervise()
         except ConfigError as e:

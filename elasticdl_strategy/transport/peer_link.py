@@ -213,7 +213,9 @@ class PeerService:
             SERVICE_NAME,
             {
                 "Transfer": grpc.stream_unary_rpc_method_handler(
-                    self._transfer, request_deserializer=None, response_serializer=peer_pb2.TransferSummary.SerializeToString
+                    self._transfer,
+                    request_deserializer=None,
+                    response_serializer=peer_pb2.TransferSummary.SerializeToString,
                 ),
                 "Abort": grpc.unary_unary_rpc_method_handler(
                     self._abort,

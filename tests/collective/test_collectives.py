@@ -103,7 +103,14 @@ def test_allgather_concatenates_varying_rows(clusters, n, rows, rest, dtype, see
 
 
 @PROPERTY_SETTINGS
-@given(n=sizes, rows=st.lists(st.integers(0, 5), min_size=4, max_size=4), rest=shapes, dtype=dtypes, seed=seeds, data=st.data())
+@given(
+    n=sizes,
+    rows=st.lists(st.integers(0, 5), min_size=4, max_size=4),
+    rest=shapes,
+    dtype=dtypes,
+    seed=seeds,
+    data=st.data(),
+)
 def test_gather_concatenates_on_root(clusters, n, rows, rest, dtype, seed, data):
     root = data.draw(st.integers(0, n - 1))
     inputs = [make_input(seed, r, (rows[r],) + rest, dtype) for r in range(n)]

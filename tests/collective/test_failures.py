@@ -9,6 +9,7 @@ from tests.launch import run_job, worker_script
 
 pytestmark = pytest.mark.slow
 
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, n):
     job = run_job(n, [sys.executable, worker_script("peer_killed.py"), str(tmp_path)], timeout=90)

@@ -13,11 +13,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_collective_dtype_and_edge_size_in_processes(tmp_path, n):
     extra_flags = ["--64mib"] if n in (2, 4) else []
-    job = run_job(
-        n,
-        [sys.executable, worker_script("collectives_matrix.py"), str(tmp_path), *extra_flags],
-        timeout=240
-    )
+    job = run_job(n, [sys.executable, worker_script("collectives_matrix.py"), str(tmp_path), *extra_flags], timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
     assert sorted(r["rank"] for r in reports) == list(range(n))

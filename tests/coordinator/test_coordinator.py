@@ -127,7 +127,10 @@ def test_invalid_params_name_the_value(kwargs, message):
 def served():
     token = new_token()
     server = CoordinatorServer(
-        CoordinatorParams(2, 2, 2, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5), "127.0.0.1:0", token, TransportOptions()
+        CoordinatorParams(2, 2, 2, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5),
+        "127.0.0.1:0",
+        token,
+        TransportOptions(),
     )
     yield server, token
     server.stop(0)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.launch import REPO_ROOT, Job, launcher_argv, run_job, worker_script
 
+
 def cli(*args, timeout=30):
     return subprocess.run(
         [sys.executable, "-m", "elasticdl_strategy", *args], capture_output=True, text=True, timeout=timeout

@@ -28,14 +28,22 @@ def cluster():
 @pytest.mark.parametrize("metadata", BAD_METADATA, ids=["no-token", "wrong-token"])
 def test_peer_rpcs_without_the_token_are_rejected_and_the_ring_is_unaffected(cluster, metadata, caplog):
     channel = grpc.insecure_channel(cluster.addresses[1])
-    abort = channel.unary_unary(ABORT_METHOD, peer_pb2.AbortRequest.SerializeToString, peer_pb2.AbortResponse.FromString)
+    abort = channel.unary_unary(
+        ABORT_METHOD, peer_pb2.AbortRequest.SerializeToString, peer_pb2.AbortResponse.FromString
+    )
     with pytest.raises(grpc.RpcError) as info:
-        abort(peer_pb2.AbortRequest(src_rank=0, membership_version=1, kind="mismatch", reason="forged"), metadata=metadata, timeout=5)
+        abort(
+            peer_pb2.AbortRequest(src_rank=0, membership_version=1, kind="mismatch", reason="forged"),
+            metadata=metadata,
+            timeout=5,
+        )
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     transfer = channel.stream_unary(TRANSFER_METHOD, None, peer_pb2.TransferSummary.FromString)
     hello = frames.encode_hello(peer_pb2.StreamHello(src_rank=0, membership_version=1))
-    header = peer_pb2.MessageHeader(channel=1, tag=0, sequence=0, nbytes=8, dtype="float32", shape=[2], inline_data=b"\0" * 8)
+    header = peer_pb2.MessageHeader(
+        channel=1, tag=0, sequence=0, nbytes=8, dtype="float32", shape=[2], inline_data=b"\0" * 8
+    )
     with pytest.raises(grpc.RpcError) as info:
         transfer(iter([hello, frames.encode_header(header)]), metadata=metadata, timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -14,7 +14,12 @@ from elasticdl_strategy import collective
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool"]
-OPS = {"bool": ["min", "max"], "int32": ["sum", "prod", "min", "max"], "int64": ["sum", "prod", "min", "max"], "uint8": ["sum", "max"]}
+OPS = {
+    "bool": ["min", "max"],
+    "int32": ["sum", "prod", "min", "max"],
+    "int64": ["sum", "prod", "min", "max"],
+    "uint8": ["sum", "max"],
+}
 
 
 def main(results_dir: str, with_64mib: bool) -> None:
@@ -32,12 +37,14 @@ def main(results_dir: str, with_64mib: bool) -> None:
     for dtype in DTYPES:
         for shape in sizes:
             for op in OPS.get(dtype, ["sum", "mean", "prod", "min", "max"]):
+
                 def allreduce_case(shape=shape, dtype=dtype, op=op):
                     inputs = [make_input(11, r, shape, dtype, op) for r in range(n)]
                     result = collective.allreduce(inputs[rank], op=op)
                     assert_close(result, reduce_reference(inputs, op))
                     # bitwise identical on every rank
                     assert_identical([collective.broadcast(result, root=r) for r in range(n)] + [result])
+
                 check(f"allreduce {dtype} {shape} {op}", allreduce_case)
 
             def others(shape=shape, dtype=dtype):
@@ -63,6 +70,7 @@ def main(results_dir: str, with_64mib: bool) -> None:
                 mine = collective.scatter(parts if rank == 0 else None, root=0)
                 assert mine.tobytes() == parts[rank].tobytes()
                 collective.barrier()
+
             check(f"others {dtype} {shape}", others)
 
     # Byte counters: a ring all-reduce of S bytes sends and receives 2(N-1)/N * S per rank.
@@ -84,11 +92,13 @@ def main(results_dir: str, with_64mib: bool) -> None:
         )
 
     if with_64mib:
+
         def big():
             data = np.full(16 << 20, rank + 1, np.float32)  # 64 MiB
             collective.allreduce(data, out=data)
             expected = n * (n + 1) / 2
             assert data[0] == expected and data[-1] == expected and np.all(data == expected)
+
         check("allreduce 64 MiB", big)
 
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:

@@ -31,9 +31,7 @@ def main(results_dir: str, how: str) -> None:
         for _ in range(100_000):
             collective.allreduce(np.ones(1 << 16, np.float32))
     except errors.ElasticDLError as e:
-        outcome.update(
-            error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e)
-        )
+        outcome.update(error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e))
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
     sys.exit(3 if outcome["error"] else 0)

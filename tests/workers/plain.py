@@ -17,6 +17,7 @@ elif mode == "fail-one":
         sys.exit(3)
     time.sleep(0.2)
 elif mode == "wait-for-signal":
+
     def on_term(signum, frame):
         open(os.path.join(out_dir, f"term{index}"), "w").close()
         sys.exit(0)
