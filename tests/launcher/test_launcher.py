@@ -98,3 +98,23 @@ def test_readme_example_trains_on_two_workers():
     job = run_job(2, [sys.executable, example, "--steps", "120"], timeout=90)
     assert job.returncode == 0, job.stderr[-2000:]
     assert job.stdout.count("weights identical on all ranks: True") == 2
+
+
+@pytest.mark.slow
+def test_tls_flags_secure_the_coordinator_and_the_ring(tls_files):
+    tls = ["--tls-cert", tls_files.cert_file, "--tls-key", tls_files.key_file, "--tls-ca", tls_files.ca_file]
+    job = run_job(2, [sys.executable, worker_script("collective_example.py")], extra=tls, timeout=90)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert "rank 0 of 2 total 2" in job.stdout and "rank 1 of 2 total 2" in job.stdout
+
+
+def test_script_without_the_launcher_runs_as_a_single_worker_and_says_so_once():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDL_")}
+    env["PYTHONPATH"] = REPO_ROOT
+    result = subprocess.run(
+        [sys.executable, worker_script("collective_example.py")], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 0 of 1 total 1" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "single worker, rank 0 of 1" in lines[0], result.stderr

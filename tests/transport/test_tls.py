@@ -1,8 +1,5 @@
 """Optional TLS: a ring over mutually authenticated TLS works; a plaintext client cannot connect."""
 
-import shutil
-import subprocess
-
 import grpc
 import numpy as np
 import pytest
@@ -11,25 +8,6 @@ from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.cluster import ThreadCluster
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=edl-test-ca",
-        "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))  # fmt: skip
-    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
-        "-keyout", str(d / "node.key"), "-out", str(d / "node.csr"))  # fmt: skip
-    run("x509", "-req", "-in", str(d / "node.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
-        "-CAcreateserial", "-days", "1", "-extfile", str(d / "ext.cnf"), "-out", str(d / "node.pem"))  # fmt: skip
-    return TLSConfig(str(d / "node.pem"), str(d / "node.key"), str(d / "ca.pem"))
 
 
 def test_ring_over_mutual_tls(tls_files):
