@@ -3,7 +3,19 @@
 Layers, bottom-up: :mod:`~elasticdl_strategy.transport` (gRPC, streaming, auth),
 :mod:`~elasticdl_strategy.collective` (point-to-point and collectives),
 :mod:`~elasticdl_strategy.coordinator` (rendezvous, membership, heartbeats),
+:mod:`~elasticdl_strategy.strategy` (``AllReduceStrategy``, the tf.distribute integration),
 :mod:`~elasticdl_strategy.launcher` (local processes).
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["AllReduceStrategy", "__version__"]
+
+
+def __getattr__(name):
+    # Imported lazily: the collective API must not pay for importing TensorFlow.
+    if name == "AllReduceStrategy":
+        from elasticdl_strategy.strategy import AllReduceStrategy
+
+        return AllReduceStrategy
+    raise AttributeError(f"module 'elasticdl_strategy' has no attribute {name!r}")

@@ -81,6 +81,7 @@ class Communicator:
         self._early: Dict[int, List[tuple]] = {}
         self._error_factory: Optional[Callable[[], CommunicationError]] = None
         self._abort_request: Optional[peer_pb2.AbortRequest] = None
+        self._active: Optional[ring.CollectiveCall] = None
         p2p.header_observer = self._observe
         p2p.abort_observer = self._on_remote_abort
         p2p.failure_observer = self._on_peer_failure
@@ -323,9 +324,12 @@ class Communicator:
         with self._lock:
             self._current = descriptor
             early = self._early.pop(descriptor.sequence, [])
+        call = ring.CollectiveCall(self.p2p, descriptor, time.monotonic() + timeout)
+        self._active = call
         for src, theirs in early:
             self._check(descriptor, src, theirs)
-        return ring.CollectiveCall(self.p2p, descriptor, time.monotonic() + timeout)
+        self._raise_if_aborted()
+        return call
 
     def _running(self, step: ring.CollectiveCall):
         return _Running(self, step)
@@ -405,6 +409,10 @@ class Communicator:
             )
         logger.error("rank %d: collectives aborted: %s", self.rank, reason)
         self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
+        active = self._active
+        if active is not None:  # a send stuck behind a dead or silent peer must not hold the caller
+            for request in list(active.sends):
+                request.abandon(make_error())
         if kind is not None:
             self.p2p.send_abort(kind, reason, ranks)
 

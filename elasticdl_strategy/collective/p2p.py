@@ -29,7 +29,7 @@ from elasticdl_strategy.errors import (
 )
 from elasticdl_strategy.transport.endpoints import open_channel
 from elasticdl_strategy.transport.options import TransportOptions
-from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort
+from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort, settle
 from elasticdl_strategy.transport.frames import encode_header
 from elasticdl_strategy.transport.protos import peer_pb2
 
@@ -85,6 +85,10 @@ class Request:
             return self._future.result(timeout=timeout)
         except futures.TimeoutError:
             raise self._timeout_error(timeout) from None
+
+    def abandon(self, error: BaseException) -> None:
+        """Fails the request with ``error`` unless it already completed (used when a collective aborts)."""
+        settle(self._future, error)
 
     def cancel(self) -> bool:
         """Withdraws a receive that nothing has arrived for; returns whether it was withdrawn.

@@ -34,6 +34,17 @@ ABORT_METHOD = f"/{SERVICE_NAME}/Abort"
 _IDLE_POLL_S = 1.0
 
 
+def settle(future: futures.Future, error: Optional[BaseException] = None) -> None:
+    """Completes ``future`` (with ``error`` if given) unless another thread already did."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except futures.InvalidStateError:
+        pass
+
+
 class OutgoingMessage:
     """One message queued on an :class:`OutboundStream`.
 
@@ -74,6 +85,7 @@ class OutboundStream:
         self._self_rank = hello.src_rank
         self._on_broken = on_broken
         self._queue: Deque[OutgoingMessage] = collections.deque()
+        self._in_flight: Optional[OutgoingMessage] = None  # popped, frames being written
         self._cond = threading.Condition()
         self._closing = False
         self._goodbye = peer_pb2.Goodbye(reason="closed")
@@ -131,7 +143,8 @@ class OutboundStream:
                 if self._closing or self._error is not None:
                     return None
                 self._cond.wait(_IDLE_POLL_S)
-            return self._queue.popleft()
+            self._in_flight = self._queue.popleft()
+            return self._in_flight
 
     def _frames(self, hello_frame: bytes):
         yield hello_frame
@@ -147,7 +160,8 @@ class OutboundStream:
                 yield frames.encode_chunk(payload[offset : offset + size])
             # gRPC asks for the next frame only once the last one was written.
             self.bytes_sent += len(payload)
-            message.future.set_result(None)
+            self._in_flight = None
+            settle(message.future)
 
     def _on_call_done(self, call: grpc.Future) -> None:
         if call.cancelled():
@@ -163,11 +177,13 @@ class OutboundStream:
         with self._cond:
             if reason is not None and self._error is None:
                 self._error = reason
-            pending = list(self._queue)
+            pending = ([self._in_flight] if self._in_flight is not None else []) + list(self._queue)
             self._queue.clear()
+            self._in_flight = None
             self._cond.notify_all()
         for message in pending:
-            message.future.set_exception(
+            settle(
+                message.future,
                 PeerFailureError(
                     f"rank {self._self_rank} could not send to rank {self._peer_rank}: {reason or 'stream closed'}",
                     peer_rank=self._peer_rank,

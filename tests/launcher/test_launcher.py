@@ -93,11 +93,19 @@ def test_signals_are_forwarded_to_every_worker(tmp_path, sig):
 
 
 @pytest.mark.slow
-def test_readme_example_trains_on_two_workers():
+def test_collective_api_example_trains_on_two_workers():
     example = os.path.join(REPO_ROOT, "examples", "train_linear_numpy.py")
     job = run_job(2, [sys.executable, example, "--steps", "120"], timeout=90)
     assert job.returncode == 0, job.stderr[-2000:]
     assert job.stdout.count("weights identical on all ranks: True") == 2
+
+
+@pytest.mark.slow
+def test_readme_keras_example_trains_on_two_workers():
+    example = os.path.join(REPO_ROOT, "examples", "train_keras.py")
+    job = run_job(2, [sys.executable, example, "--epochs", "3", "--samples", "4096"], timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "2 workers: mse" in job.stdout
 
 
 @pytest.mark.slow

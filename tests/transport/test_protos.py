@@ -2,6 +2,8 @@
 
 import ast
 import os
+import subprocess
+import sys
 import pathlib
 
 import numpy as np
@@ -16,12 +18,16 @@ PROTO_DIR = ROOT / "elasticdl_strategy" / "transport" / "protos"
 
 
 def _generate(tmp_path, name):
+    # In a subprocess: protoc inside a process that has imported TensorFlow crashes
+    # (both bring their own copy of libprotobuf).
     proto = f"elasticdl_strategy/transport/protos/{name}.proto"
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    code = protoc.main(
-        ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", proto]
-    )
-    assert code == 0, f"protoc failed on {proto}"
+    result = subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"-I{include}",
+         f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", proto],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, f"protoc failed on {proto}: {result.stderr}"
     return tmp_path / "elasticdl_strategy" / "transport" / "protos"
 
 

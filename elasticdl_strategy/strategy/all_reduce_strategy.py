@@ -1,0 +1,286 @@
+"""``AllReduceStrategy``: a ``tf.distribute.Strategy`` whose replicas are worker processes.
+
+Each worker process is one replica (its rank is the replica id); gradients and
+other cross-replica reductions go through the gRPC ring of
+:mod:`elasticdl_strategy.collective`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from elasticdl_strategy import collective
+from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
+from elasticdl_strategy.strategy import bridge
+from elasticdl_strategy.strategy.tf_compat import (
+    device_util,
+    distribute_lib,
+    distribute_utils,
+    distribute_values,
+    input_lib,
+    input_util,
+    nest,
+    ops,
+    reduce_util,
+)
+
+
+class AllReduceStrategy(distribute_lib.Strategy):
+    """Synchronous data parallelism over worker processes, reduced by a gRPC ring all-reduce.
+
+    Start N copies of the script with ``elasticdl-strategy run --workers N -- python train.py``;
+    every copy is one replica. Model code is unchanged::
+
+        import tensorflow as tf, keras
+        from elasticdl_strategy import AllReduceStrategy
+
+        strategy = AllReduceStrategy()           # joins the job (collective.init())
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        # A dataset of *global* batches: each worker trains on its 1/N of every batch.
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+        model.fit(dataset, epochs=2)
+
+    ``num_replicas_in_sync`` is the number of workers, so Keras scales losses
+    for the global batch; variables created under ``scope()`` start with rank
+    0's values on every worker.
+
+    Args:
+        timeout: deadline in seconds of each cross-worker reduction (default ``EDL_TIMEOUT``).
+    """
+
+    def __init__(self, timeout: Optional[float] = None):
+        collective.init()
+        super().__init__(_AllReduceExtended(self, timeout))
+        distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
+
+    def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
+        """Assigns ``root``'s values of ``variables`` on every worker (same order everywhere)."""
+        for variable in variables:
+            _broadcast_variable(variable, root)
+
+
+def _variable_digest(variable: tf.Variable) -> np.ndarray:
+    name = getattr(variable, "path", None) or variable.name
+    text = f"{name}|{variable.shape}|{variable.dtype.name}"
+    return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)[None, :]
+
+
+def _broadcast_variable(variable: tf.Variable, root: int) -> None:
+    """Checks that every worker creates the same variable here, then copies root's value."""
+    communicator = collective.communicator()
+    if communicator.size == 1:
+        return
+    with tf.init_scope():
+        if not tf.executing_eagerly():
+            raise ConfigError(
+                f"variable {variable.name} was created inside a graph; create variables eagerly under "
+                "strategy.scope() (e.g. build the model before the tf.function runs)"
+            )
+        digests = communicator.allgather(_variable_digest(variable))
+        differing = [r for r in range(communicator.size) if not np.array_equal(digests[r], digests[root])]
+        if differing:
+            raise CollectiveMismatchError(
+                f"rank {communicator.rank}: ranks {differing} created a different variable than rank {root} "
+                f"at this point (here: {variable.name}, shape {variable.shape}, {variable.dtype.name}); "
+                "every worker must create the same variables in the same order",
+                ranks=differing,
+                rank=communicator.rank,
+            )
+        variable.assign(communicator.broadcast(variable.numpy(), root=root))
+
+
+def _as_reduce_op(reduce_op) -> reduce_util.ReduceOp:
+    if isinstance(reduce_op, str):
+        return reduce_util.ReduceOp(reduce_op.upper())
+    if isinstance(reduce_op, tf.VariableAggregation):
+        return reduce_util.ReduceOp.from_variable_aggregation(reduce_op)
+    return reduce_op
+
+
+def _local(value):
+    """This worker's tensor of a (possibly per-replica) value."""
+    if isinstance(value, distribute_values.DistributedValues):
+        return value.values[0]
+    if isinstance(value, tf.IndexedSlices):
+        return tf.convert_to_tensor(value)
+    return value
+
+
+class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
+    """One replica per worker process, on this worker's CPU."""
+
+    def __init__(self, container_strategy: AllReduceStrategy, timeout: Optional[float]):
+        super().__init__(container_strategy)
+        self._timeout = timeout
+        self._device = device_util.resolve("/cpu:0")
+        self._input_device = device_util.get_host_for_device(self._device)
+        self._rank = collective.rank()
+        self._size = collective.size()
+
+    # ---- placement and variables ----------------------------------------------------------
+
+    def _input_workers_with_options(self, options=None):
+        return input_lib.InputWorkers([(self._input_device, (self._device,))])
+
+    @property
+    def _input_workers(self):
+        return self._input_workers_with_options()
+
+    def _create_variable(self, next_creator, **kwargs):
+        kwargs.pop("colocate_with", None)
+        with ops.device(self._device):
+            variable = next_creator(**kwargs)
+        _broadcast_variable(variable, root=0)
+        return variable
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        distribute_utils.validate_colocate(colocate_with_variable, self)
+
+    # ---- input ----------------------------------------------------------------------------
+
+    def _shard_global_batches(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """Each worker keeps its rows of every global batch, split like ``np.array_split``."""
+        if self._size == 1:
+            return dataset
+        rank, size = self._rank, self._size
+
+        def rows(x):
+            batch = tf.shape(x)[0]
+            base, extra = batch // size, batch % size
+            start = rank * base + tf.minimum(rank, extra)
+            return x[start : start + base + tf.cast(rank < extra, batch.dtype)]
+
+        return dataset.map(lambda *element: tf.nest.map_structure(rows, element if len(element) > 1 else element[0]))
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        return input_util.get_distributed_dataset(
+            self._shard_global_batches(dataset),
+            self._input_workers_with_options(options),
+            self._container_strategy(),
+            options=options,
+        )
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        context = distribute_lib.InputContext(
+            num_input_pipelines=self._size, input_pipeline_id=self._rank, num_replicas_in_sync=self._size
+        )
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn,
+            self._input_workers_with_options(options),
+            [context],
+            self._container_strategy(),
+            options=options,
+        )
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(
+            distribute_lib.ValueContext(replica_id_in_sync_group=self._rank, num_replicas_in_sync=self._size)
+        )
+
+    # ---- running and reducing -------------------------------------------------------------
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        args, kwargs = nest.map_structure(_local, (args, kwargs))
+        with ops.device(self._device), _AllReduceReplicaContext(self._container_strategy(), self._rank):
+            return fn(*args, **kwargs)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        flat = nest.flatten(value)
+        reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
+        return nest.pack_sequence_as(value, reduced)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        op = "mean" if _as_reduce_op(reduce_op) == reduce_util.ReduceOp.MEAN else "sum"
+        tensors = [_local(value) for value, _ in value_destination_pairs]
+        if self._size == 1:
+            return [tf.identity(t) for t in tensors]
+        return bridge.all_reduce_tensors(tensors, op)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        if self._size == 1:
+            return _local(value)
+        return bridge.all_gather_tensor(_local(value), axis)
+
+    def _update(self, var, fn, args, kwargs, group):
+        return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)
+
+    def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+        with ops.device(self._device), distribute_lib.UpdateContext(self._device):
+            result = fn(*args, **kwargs)
+            return result if group else nest.map_structure(self._local_results, result)
+
+    def _broadcast_to(self, tensor, destinations):
+        return tensor
+
+    def read_var(self, replica_local_var):
+        return tf.identity(replica_local_var)
+
+    def _local_results(self, value):
+        return (_local(value),)
+
+    def value_container(self, value):
+        return value
+
+    # ---- properties tf.distribute and Keras ask for ---------------------------------------
+
+    def _in_multi_worker_mode(self):
+        return self._size > 1
+
+    @property
+    def _num_replicas_in_sync(self):
+        return self._size
+
+    @property
+    def worker_devices(self):
+        return (self._device,)
+
+    @property
+    def parameter_devices(self):
+        return (self._device,)
+
+    def non_slot_devices(self, var_list):
+        return (self._device,)
+
+    @property
+    def experimental_should_init(self):
+        return True
+
+    @property
+    def experimental_between_graph(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return self._rank == 0
+
+    @property
+    def should_save_summary(self):
+        return self._rank == 0
+
+    @property
+    def _global_batch_size(self):
+        return True
+
+    @property
+    def _support_per_replica_values(self):
+        return False
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return 0
+
+
+class _AllReduceReplicaContext(distribute_lib.ReplicaContext):
+    """The replica context of this worker: replica id = rank."""
+
+    def __init__(self, strategy: AllReduceStrategy, rank: int):
+        distribute_lib.ReplicaContext.__init__(self, strategy, replica_id_in_sync_group=rank)
+
+    @property
+    def devices(self):
+        return self._strategy.extended.worker_devices

@@ -1,0 +1,55 @@
+"""The private TensorFlow modules the strategy needs, in one place, version-checked.
+
+``tf.distribute.Strategy`` subclasses have to use TensorFlow internals
+(``distribute_lib``, ``input_util``, ...). They change between releases, so
+this module imports them only for TensorFlow versions we test, and raises a
+clear error on any other version instead of failing in obscure ways later.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from elasticdl_strategy.errors import ConfigError
+
+# Minor versions the strategy is tested with (see README).
+SUPPORTED_MINOR_VERSIONS = ("2.21",)
+
+
+def check_version(version: str) -> None:
+    """Raises ConfigError unless ``version`` (``tf.__version__``) is a tested release."""
+    minor = ".".join(version.split(".")[:2])
+    if minor not in SUPPORTED_MINOR_VERSIONS:
+        raise ConfigError(
+            f"elasticdl_strategy.AllReduceStrategy supports TensorFlow {', '.join(SUPPORTED_MINOR_VERSIONS)}.x "
+            f"but TensorFlow {version} is installed; install a supported version "
+            f"(pip install 'tensorflow=={SUPPORTED_MINOR_VERSIONS[-1]}.*')"
+        )
+
+
+check_version(tf.__version__)
+
+from tensorflow.python.distribute import device_util  # noqa: E402
+from tensorflow.python.distribute import distribute_lib  # noqa: E402
+from tensorflow.python.distribute import distribute_utils  # noqa: E402
+from tensorflow.python.distribute import input_lib  # noqa: E402
+from tensorflow.python.distribute import input_util  # noqa: E402
+from tensorflow.python.distribute import reduce_util  # noqa: E402
+from tensorflow.python.distribute import values as distribute_values  # noqa: E402
+from tensorflow.python.framework import ops  # noqa: E402
+from tensorflow.python.ops import control_flow_util  # noqa: E402
+from tensorflow.python.util import nest  # noqa: E402
+
+__all__ = [
+    "check_version",
+    "device_util",
+    "distribute_lib",
+    "distribute_utils",
+    "distribute_values",
+    "input_lib",
+    "input_util",
+    "reduce_util",
+    "ops",
+    "control_flow_util",
+    "nest",
+]

@@ -1,0 +1,94 @@
+"""Worker of tests/strategy: trains a float64 MLP with AllReduceStrategy, by Keras fit or a custom loop.
+
+Run with the launcher (N workers) or alone (the single-process reference);
+writes ``{results_dir}/rank{r}.json`` with the final weights and the losses.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from elasticdl_strategy import AllReduceStrategy, collective
+
+GLOBAL_BATCH = 32
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 8))
+    y = np.tanh(x @ rng.standard_normal((8, 2)))
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
+def build():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(2)])
+    return model, keras.optimizers.SGD(0.1)
+
+
+def train_fit(strategy):
+    with strategy.scope():
+        model, optimizer = build()
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    history = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    return model, history.history["loss"]
+
+
+def train_custom(strategy):
+    with strategy.scope():
+        model, optimizer = build()
+    dataset = strategy.experimental_distribute_dataset(data())
+
+    @tf.function
+    def step(x, y):
+        def replica_fn(x, y):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean((model(x) - y) ** 2, axis=-1)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y)), axis=None)
+
+    losses = [float(step(x, y)) for _ in range(2) for x, y in dataset]
+    return model, losses
+
+
+def train_xla(strategy):
+    """jit_compile=True cannot call the ring: must fail at trace time with a clear error."""
+    with strategy.scope():
+        model, optimizer = build()
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    try:
+        model.fit(data(), epochs=1, verbose=0)
+    except Exception as e:  # Keras may wrap the error; the message is what users see
+        return model, [str(e)]
+    return model, []
+
+
+def main(mode: str, results_dir: str) -> None:
+    keras.config.set_floatx("float64")
+    strategy = AllReduceStrategy()
+    # A different seed on every rank: the variables must start from rank 0's values anyway.
+    keras.utils.set_random_seed(1234 + collective.rank())
+    model, losses = {"fit": train_fit, "custom": train_custom, "xla": train_xla}[mode](strategy)
+    context_ids = strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
+    report = {
+        "rank": collective.rank(),
+        "size": collective.size(),
+        "replicas": strategy.num_replicas_in_sync,
+        "replica_id": int(context_ids),
+        "weights": [w.numpy().ravel().tolist() for w in model.weights],
+        "losses": losses,
+    }
+    with open(os.path.join(results_dir, f"rank{collective.rank()}.json"), "w") as f:
+        json.dump(report, f)
+    collective.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
