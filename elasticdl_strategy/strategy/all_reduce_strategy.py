@@ -136,6 +136,11 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         kwargs.pop("colocate_with", None)
         with ops.device(self._device):
             variable = next_creator(**kwargs)
+        if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+            # Per-worker accumulators (Keras metrics): read in cross-replica context they
+            # are reduced over all workers, so epoch logs and evaluate() are global.
+            aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
+            return distribute_values.SyncOnReadVariable(self._container_strategy(), [variable], aggregation)
         _broadcast_variable(variable, root=0)
         return variable
 
