@@ -1,0 +1,66 @@
+"""The tf.distribute surface of AllReduceStrategy on 2 worker processes, eagerly and in tf.function."""
+
+import json
+import sys
+
+import pytest
+
+from tests.launch import run_job, worker_script
+
+pytestmark = pytest.mark.slow
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api")
+    job = run_job(N, [sys.executable, worker_script("strategy_api.py"), str(out)], timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(N)]
+
+
+@pytest.mark.parametrize("label", ["eager", "graph"])
+def test_reduce_and_replica_context_collectives(reports, label):
+    # replica r returns [r+1, r+1]
+    total = sum(r + 1 for r in range(N))
+    for report in reports:
+        assert report[f"{label}_sum"] == [total, total]
+        assert report[f"{label}_mean"] == [total / N, total / N]
+        assert report[f"{label}_sum_axis0"] == 2 * total
+        assert report[f"{label}_mean_axis0"] == total / N  # mean over all 2N elements
+        assert report[f"{label}_all_reduce"] == [[total] * 3, [sum(range(N))] * 2]
+        assert report[f"{label}_all_gather"] == [10 * r + i for r in range(N) for i in range(r + 1)]
+        assert report[f"{label}_merge_call"] == sum(range(N))
+
+
+def test_gather_and_values_from_function(reports):
+    for report in reports:
+        assert report["gather"] == [r for r in range(N) for _ in range(r + 1)]
+        assert report["values_from_function"] == 10 * report["rank"]
+
+
+def test_datasets_are_split_between_workers(reports):
+    for report in reports:
+        r = report["rank"]
+        assert report["input_context"] == [N, r, N]
+        assert report["from_function"] == [[r, r + 2], [r + 4, r + 6]]
+    # Global batches of 5 rows are split 3 / 2, like np.array_split.
+    assert reports[0]["distributed"] == [[0, 1, 2], [5, 6, 7]]
+    assert reports[1]["distributed"] == [[3, 4], [8, 9]]
+
+
+def test_variables_start_from_rank_0_and_broadcast_on_demand(reports):
+    for report in reports:
+        assert report["variable_at_creation"] == [0.0, 0.0, 0.0]
+        assert report["variable_after_broadcast"] == [float(N - 1 + 5)] * 3
+
+
+def test_variables_created_in_another_order_raise_mismatch_on_every_rank(tmp_path):
+    job = run_job(N, [sys.executable, worker_script("strategy_variable_mismatch.py"), str(tmp_path)], timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    for r in range(N):
+        outcome = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert outcome["error"] == "CollectiveMismatchError", outcome
+        assert outcome["ranks"] == [N - 1]
+        assert "same variables in the same order" in outcome["message"]

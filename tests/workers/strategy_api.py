@@ -1,0 +1,75 @@
+"""Worker of tests/strategy/test_api.py: the tf.distribute calls users make, eagerly and in tf.function.
+
+Writes ``{results_dir}/rank{r}.json`` with what each call returned.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+from elasticdl_strategy import AllReduceStrategy, collective
+
+
+def main(results_dir: str) -> None:
+    strategy = AllReduceStrategy()
+    rank, n = collective.rank(), collective.size()
+    out = {"rank": rank, "size": n}
+
+    def replica_values():
+        ctx = tf.distribute.get_replica_context()
+        r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        return tf.fill([2], r + 1.0)  # [r+1, r+1]
+
+    for label, run in [
+        ("eager", lambda f: strategy.run(f)),
+        ("graph", lambda f: tf.function(lambda: strategy.run(f))()),
+    ]:
+        per_replica = run(replica_values)
+        out[f"{label}_sum"] = strategy.reduce("SUM", per_replica, axis=None).numpy().tolist()
+        out[f"{label}_mean"] = strategy.reduce("MEAN", per_replica, axis=None).numpy().tolist()
+        out[f"{label}_sum_axis0"] = float(strategy.reduce("SUM", per_replica, axis=0).numpy())
+        out[f"{label}_mean_axis0"] = float(strategy.reduce("MEAN", per_replica, axis=0).numpy())
+
+        def in_replica():
+            ctx = tf.distribute.get_replica_context()
+            r = tf.cast(ctx.replica_id_in_sync_group, tf.float64)
+            total = ctx.all_reduce("sum", [tf.ones([3], tf.float64) * (r + 1), tf.fill([2], tf.cast(r, tf.int32))])
+            rows = ctx.all_gather(tf.reshape(tf.range(rank + 1, dtype=tf.int64), [rank + 1, 1]) + 10 * rank, axis=0)
+            merged = ctx.merge_call(lambda strategy, x: strategy.reduce("SUM", x, axis=None), args=(r,))
+            return total[0], total[1], rows, merged
+
+        t_float, t_int, rows, merged = run(in_replica)
+        out[f"{label}_all_reduce"] = [t_float.numpy().tolist(), t_int.numpy().tolist()]
+        out[f"{label}_all_gather"] = rows.numpy().ravel().tolist()
+        out[f"{label}_merge_call"] = float(merged.numpy())
+
+    out["gather"] = strategy.gather(strategy.run(lambda: tf.fill([rank + 1], rank)), axis=0).numpy().tolist()
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group * 10)
+    out["values_from_function"] = int(strategy.experimental_local_results(values)[0])
+
+    def dataset_fn(ctx):
+        out["input_context"] = [ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync]
+        return tf.data.Dataset.range(8).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(2)
+
+    local = lambda batch: strategy.experimental_local_results(batch)[0].numpy().tolist()  # noqa: E731
+    out["from_function"] = [local(b) for b in strategy.distribute_datasets_from_function(dataset_fn)]
+    global_batches = tf.data.Dataset.range(10).batch(5)  # 5 rows per batch: split 3/2 between 2 workers
+    out["distributed"] = [local(b) for b in strategy.experimental_distribute_dataset(global_batches)]
+
+    with strategy.scope():
+        v = tf.Variable(np.full(3, float(rank)))  # rank 0's value wins at creation
+    out["variable_at_creation"] = v.numpy().tolist()
+    v.assign(np.full(3, float(rank + 5)))
+    strategy.broadcast_variables([v], root=n - 1)
+    out["variable_after_broadcast"] = v.numpy().tolist()
+
+    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    collective.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

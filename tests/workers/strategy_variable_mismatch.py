@@ -1,0 +1,29 @@
+"""Worker of tests/strategy/test_api.py: the last rank creates its variables in another order."""
+
+import json
+import os
+import sys
+
+import tensorflow as tf
+
+from elasticdl_strategy import AllReduceStrategy, collective, errors
+
+
+def main(results_dir: str) -> None:
+    strategy = AllReduceStrategy()
+    rank, n = collective.rank(), collective.size()
+    names = ["bias", "kernel"] if rank == n - 1 else ["kernel", "bias"]
+    outcome = {"rank": rank, "error": None}
+    try:
+        with strategy.scope():
+            for name in names:
+                tf.Variable(tf.zeros([4]), name=name)
+    except errors.CollectiveMismatchError as e:
+        outcome.update(error=type(e).__name__, message=str(e), ranks=list(e.ranks))
+    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    collective.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
