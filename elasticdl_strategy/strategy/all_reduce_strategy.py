@@ -52,11 +52,14 @@ class AllReduceStrategy(distribute_lib.Strategy):
 
     Args:
         timeout: deadline in seconds of each cross-worker reduction (default ``EDL_TIMEOUT``).
+        sparse_as_dense: reduce sparse gradients (``tf.IndexedSlices``, e.g. of
+            embeddings) as dense tensors in the fused all-reduce, instead of
+            all-gathering their rows. Dense is faster when most rows are touched.
     """
 
-    def __init__(self, timeout: Optional[float] = None):
+    def __init__(self, timeout: Optional[float] = None, sparse_as_dense: bool = False):
         collective.init()
-        super().__init__(_AllReduceExtended(self, timeout))
+        super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
 
     def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
@@ -107,17 +110,16 @@ def _local(value):
     """This worker's tensor of a (possibly per-replica) value."""
     if isinstance(value, distribute_values.DistributedValues):
         return value.values[0]
-    if isinstance(value, tf.IndexedSlices):
-        return tf.convert_to_tensor(value)
     return value
 
 
 class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
     """One replica per worker process, on this worker's CPU."""
 
-    def __init__(self, container_strategy: AllReduceStrategy, timeout: Optional[float]):
+    def __init__(self, container_strategy: AllReduceStrategy, timeout: Optional[float], sparse_as_dense: bool):
         super().__init__(container_strategy)
         self._timeout = timeout
+        self._sparse_as_dense = sparse_as_dense
         self._device = device_util.resolve("/cpu:0")
         self._input_device = device_util.get_host_for_device(self._device)
         self._rank = collective.rank()
@@ -202,10 +204,18 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         op = "mean" if _as_reduce_op(reduce_op) == reduce_util.ReduceOp.MEAN else "sum"
-        tensors = [_local(value) for value, _ in value_destination_pairs]
+        values = [_local(value) for value, _ in value_destination_pairs]
         if self._size == 1:
-            return [tf.identity(t) for t in tensors]
-        return bridge.all_reduce_tensors(tensors, op)
+            return [v if isinstance(v, tf.IndexedSlices) else tf.identity(v) for v in values]
+        sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices) and not self._sparse_as_dense]
+        dense = [i for i in range(len(values)) if i not in set(sparse)]
+        results = [None] * len(values)
+        reduced = bridge.all_reduce_tensors([tf.convert_to_tensor(values[i]) for i in dense], op)
+        for i, tensor in zip(dense, reduced, strict=True):
+            results[i] = tensor
+        for i in sparse:
+            results[i] = bridge.all_reduce_indexed_slices(values[i], op)
+        return results
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         if self._size == 1:

@@ -85,3 +85,19 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int) -> tf.Tensor:
         shape[axis] = None
     output.set_shape(shape if tensor.shape.rank is not None else None)
     return output
+
+
+def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str) -> tf.IndexedSlices:
+    """Reduces a sparse gradient (e.g. of an embedding) by all-gathering its rows.
+
+    Rows with the same index are summed locally first, so each worker sends
+    every touched row once; the result lists every worker's rows in rank
+    order (an index may repeat across workers: sparse updates add them up).
+    """
+    unique, positions = tf.unique(tf.cast(slices.indices, tf.int64))
+    values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(unique)[0])
+    indices = all_gather_tensor(unique, axis=0)
+    values = all_gather_tensor(values, axis=0)
+    if op == "mean":
+        values = values / tf.cast(collective.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, slices.dense_shape)

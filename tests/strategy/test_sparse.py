@@ -1,0 +1,51 @@
+"""Sparse (embedding) gradients: all-gathered rows by default, or dense with sparse_as_dense=True;
+both train like one process on the global batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO_ROOT, run_job, worker_script
+
+pytestmark = pytest.mark.slow
+
+
+def _reference(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDL_")}
+    env["PYTHONPATH"] = REPO_ROOT
+    out = tmp_path / "one"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, worker_script("strategy_sparse.py"), "sparse", str(out)],
+        capture_output=True, text=True, env=env, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "rank0.json").read_text())
+
+
+# Per step with 2 workers (2(N-1) = 2 messages per ring collective):
+#   dense:  one fused all-reduce of embedding + dense kernel + bias, one of the loss      -> 2 x 2
+#   sparse: one fused all-reduce of kernel + bias (2), two all-gathers of the embedding's
+#           indices and rows, each a ring step for the row counts and one for the data (2 x 2),
+#           one all-reduce of the loss (2)                                                -> 8
+MESSAGES_PER_STEP = {"dense": 4, "sparse": 8}
+
+
+@pytest.mark.parametrize("reduction", ["sparse", "dense"])
+def test_embedding_gradients_match_one_process(tmp_path, reduction):
+    reference = _reference(tmp_path)
+    out = tmp_path / reduction
+    out.mkdir()
+    job = run_job(2, [sys.executable, worker_script("strategy_sparse.py"), reduction, str(out)], timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    workers = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert workers[0]["embedding_gradient"] == "IndexedSlices"
+    assert workers[0]["messages_per_step"] == MESSAGES_PER_STEP[reduction]
+    assert workers[0]["weights"] == workers[1]["weights"]
+    for ours, theirs in zip(workers[0]["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(workers[0]["losses"], reference["losses"], rtol=1e-12)
