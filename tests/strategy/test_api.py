@@ -56,6 +56,13 @@ def test_variables_start_from_rank_0_and_broadcast_on_demand(reports):
         assert report["variable_after_broadcast"] == [float(N - 1 + 5)] * 3
 
 
+def test_checkpoint_is_written_once_and_restores_on_every_worker(reports):
+    assert [r["should_checkpoint"] for r in reports] == [r["rank"] == 0 for r in reports]
+    for report in reports:
+        assert report["restored_equal"]
+        assert report["optimizer_iterations"] == 2
+
+
 def test_variables_created_in_another_order_raise_mismatch_on_every_rank(tmp_path):
     job = run_job(N, [sys.executable, worker_script("strategy_variable_mismatch.py"), str(tmp_path)], timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]

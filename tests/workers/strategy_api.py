@@ -66,6 +66,26 @@ def main(results_dir: str) -> None:
     strategy.broadcast_variables([v], root=n - 1)
     out["variable_after_broadcast"] = v.numpy().tolist()
 
+    # tf.train.Checkpoint: written once (the worker that should_checkpoint), restored everywhere.
+    import keras
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(tf.data.Dataset.from_tensors((tf.ones([4, 3]), tf.zeros([4, 2]))), epochs=2, verbose=0)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    path = os.path.join(results_dir, "ckpt")
+    out["should_checkpoint"] = strategy.extended.should_checkpoint
+    if strategy.extended.should_checkpoint:
+        checkpoint.write(path)
+    collective.barrier()
+    saved = [w.numpy().tolist() for w in model.weights]
+    for w in model.weights:
+        w.assign(tf.zeros_like(w))
+    checkpoint.read(path).assert_existing_objects_matched()
+    out["restored_equal"] = [w.numpy().tolist() for w in model.weights] == saved
+    out["optimizer_iterations"] = int(model.optimizer.iterations.numpy())
+
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     collective.shutdown()
