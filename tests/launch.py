@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,18 @@ def worker_script(name: str) -> str:
 
 def launcher_argv(workers: int, command: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
     return [sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), *extra, "--", *command]
+
+
+def run_alone(command: Sequence[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
+    """Runs ``command`` without the launcher's environment: a single worker, rank 0 of 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDL_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    return subprocess.run(list(command), capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def read_reports(results_dir, ranks) -> List[dict]:
+    """The JSON reports that worker scripts wrote with ``tests.workers.report.write_report``."""
+    return [json.loads(open(os.path.join(results_dir, f"rank{r}.json")).read()) for r in ranks]
 
 
 def run_job(

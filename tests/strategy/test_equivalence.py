@@ -5,37 +5,26 @@ round-off level; the workers seed their initializers differently, so equal
 results also show that variables start from rank 0's values.
 """
 
-import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO_ROOT, run_job, worker_script
+from tests.launch import read_reports, run_alone, run_job, worker_script
 
 pytestmark = pytest.mark.slow
 
 
 def _single_process(mode, out_dir):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDL_")}
-    env["PYTHONPATH"] = REPO_ROOT
-    result = subprocess.run(
-        [sys.executable, worker_script("strategy_train.py"), mode, str(out_dir)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=180,
-    )
+    result = run_alone([sys.executable, worker_script("strategy_train.py"), mode, str(out_dir)])
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((out_dir / "rank0.json").read_text())
+    return read_reports(out_dir, [0])[0]
 
 
 def _two_workers(mode, out_dir):
     job = run_job(2, [sys.executable, worker_script("strategy_train.py"), mode, str(out_dir)], timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return read_reports(out_dir, range(2))
 
 
 @pytest.mark.parametrize("mode", ["fit", "custom"])

@@ -1,30 +1,22 @@
 """Sparse (embedding) gradients: all-gathered rows by default, or dense with sparse_as_dense=True;
 both train like one process on the global batch."""
 
-import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO_ROOT, run_job, worker_script
+from tests.launch import read_reports, run_alone, run_job, worker_script
 
 pytestmark = pytest.mark.slow
 
 
 def _reference(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDL_")}
-    env["PYTHONPATH"] = REPO_ROOT
     out = tmp_path / "one"
     out.mkdir()
-    result = subprocess.run(
-        [sys.executable, worker_script("strategy_sparse.py"), "sparse", str(out)],
-        capture_output=True, text=True, env=env, timeout=180,
-    )  # fmt: skip
+    result = run_alone([sys.executable, worker_script("strategy_sparse.py"), "sparse", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((out / "rank0.json").read_text())
+    return read_reports(out, [0])[0]
 
 
 # Per step with 2 workers (2(N-1) = 2 messages per ring collective):
@@ -42,7 +34,7 @@ def test_embedding_gradients_match_one_process(tmp_path, reduction):
     out.mkdir()
     job = run_job(2, [sys.executable, worker_script("strategy_sparse.py"), reduction, str(out)], timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
-    workers = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    workers = read_reports(out, range(2))
     assert workers[0]["embedding_gradient"] == "IndexedSlices"
     assert workers[0]["messages_per_step"] == MESSAGES_PER_STEP[reduction]
     assert workers[0]["weights"] == workers[1]["weights"]

@@ -4,14 +4,13 @@ Writes ``{results_dir}/rank{r}.json`` with a list of failures (empty when all
 checks pass) and the byte counters of the all-reduce checks.
 """
 
-import json
-import os
 import sys
 
 import numpy as np
 
 from elasticdl_strategy import collective
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
+from tests.workers.report import write_report
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "bool"]
 OPS = {
@@ -101,8 +100,7 @@ def main(results_dir: str, with_64mib: bool) -> None:
 
         check("allreduce 64 MiB", big)
 
-    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "size": n, "failures": failures, "counters": counters}, f)
+    write_report(results_dir, rank, {"rank": rank, "size": n, "failures": failures, "counters": counters})
     collective.shutdown()
 
 

@@ -1,12 +1,11 @@
 """Worker of test_failures.py: the last rank calls all-reduce with another shape."""
 
-import json
-import os
 import sys
 
 import numpy as np
 
 from elasticdl_strategy import collective, errors
+from tests.workers.report import write_report
 
 
 def main(results_dir: str) -> None:
@@ -19,8 +18,7 @@ def main(results_dir: str) -> None:
         outcome["error"] = None
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, ranks=list(getattr(e, "ranks", [])), message=str(e))
-    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    write_report(results_dir, rank, outcome)
 
 
 if __name__ == "__main__":

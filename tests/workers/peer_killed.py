@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from elasticdl_strategy import collective, errors
+from tests.workers.report import write_report
 
 
 def main(results_dir: str, how: str) -> None:
@@ -32,8 +33,7 @@ def main(results_dir: str, how: str) -> None:
             collective.allreduce(np.ones(1 << 16, np.float32))
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e))
-    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    write_report(results_dir, rank, outcome)
     sys.exit(3 if outcome["error"] else 0)
 
 

@@ -3,7 +3,6 @@
 Writes ``{results_dir}/rank{r}.json`` with what each call returned.
 """
 
-import json
 import os
 import sys
 
@@ -11,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, collective
+from tests.workers.report import write_report
 
 
 def main(results_dir: str) -> None:
@@ -86,8 +86,7 @@ def main(results_dir: str) -> None:
     out["restored_equal"] = [w.numpy().tolist() for w in model.weights] == saved
     out["optimizer_iterations"] = int(model.optimizer.iterations.numpy())
 
-    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    write_report(results_dir, rank, out)
     collective.shutdown()
 
 

@@ -1,7 +1,5 @@
 """Worker of tests/strategy/test_sparse.py: an embedding model trained with sparse or dense gradient reduction."""
 
-import json
-import os
 import sys
 
 import keras
@@ -9,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, collective
+from tests.workers.report import write_report
 
 GLOBAL_BATCH = 16
 
@@ -54,8 +53,7 @@ def main(sparse_as_dense: str, results_dir: str) -> None:
         "losses": losses,
         **kinds,
     }
-    with open(os.path.join(results_dir, f"rank{collective.rank()}.json"), "w") as f:
-        json.dump(report, f)
+    write_report(results_dir, collective.rank(), report)
     collective.shutdown()
 
 

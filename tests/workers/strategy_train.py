@@ -4,8 +4,6 @@ Run with the launcher (N workers) or alone (the single-process reference);
 writes ``{results_dir}/rank{r}.json`` with the final weights and the losses.
 """
 
-import json
-import os
 import sys
 
 import keras
@@ -13,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, collective
+from tests.workers.report import write_report
 
 GLOBAL_BATCH = 32
 STATS = {}
@@ -90,8 +89,7 @@ def main(mode: str, results_dir: str) -> None:
         "losses": losses,
         **STATS,
     }
-    with open(os.path.join(results_dir, f"rank{collective.rank()}.json"), "w") as f:
-        json.dump(report, f)
+    write_report(results_dir, collective.rank(), report)
     collective.shutdown()
 
 

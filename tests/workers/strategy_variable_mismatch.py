@@ -1,12 +1,11 @@
 """Worker of tests/strategy/test_api.py: the last rank creates its variables in another order."""
 
-import json
-import os
 import sys
 
 import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, collective, errors
+from tests.workers.report import write_report
 
 
 def main(results_dir: str) -> None:
@@ -20,8 +19,7 @@ def main(results_dir: str) -> None:
                 tf.Variable(tf.zeros([4]), name=name)
     except errors.CollectiveMismatchError as e:
         outcome.update(error=type(e).__name__, message=str(e), ranks=list(e.ranks))
-    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    write_report(results_dir, rank, outcome)
     collective.shutdown()
 
 
