@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import collective
-from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
+from elasticdl_strategy.errors import CollectiveMismatchError
 from elasticdl_strategy.strategy import bridge
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
@@ -75,16 +75,19 @@ def _variable_digest(variable: tf.Variable) -> np.ndarray:
 
 
 def _broadcast_variable(variable: tf.Variable, root: int) -> None:
-    """Checks that every worker creates the same variable here, then copies root's value."""
+    """Checks that every worker creates the same variable here, then copies root's value.
+
+    A variable created while a ``tf.function`` is traced (e.g. optimizer slots
+    built at the first step of a custom loop) gets its initial value from the
+    function's graph, after this runs: it is checked but not copied. Such
+    initializers are deterministic (zeros) in Keras; for others, call
+    ``strategy.broadcast_variables`` after the first step.
+    """
     communicator = collective.communicator()
     if communicator.size == 1:
         return
+    created_in_function = tf.inside_function()
     with tf.init_scope():
-        if not tf.executing_eagerly():
-            raise ConfigError(
-                f"variable {variable.name} was created inside a graph; create variables eagerly under "
-                "strategy.scope() (e.g. build the model before the tf.function runs)"
-            )
         digests = communicator.allgather(_variable_digest(variable))
         differing = [r for r in range(communicator.size) if not np.array_equal(digests[r], digests[root])]
         if differing:
@@ -95,7 +98,8 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
                 ranks=differing,
                 rank=communicator.rank,
             )
-        variable.assign(communicator.broadcast(variable.numpy(), root=root))
+        if not created_in_function:
+            variable.assign(communicator.broadcast(variable.numpy(), root=root))
 
 
 def _as_reduce_op(reduce_op) -> reduce_util.ReduceOp:

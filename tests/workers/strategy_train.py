@@ -1,5 +1,7 @@
 """Worker of tests/strategy: trains a float64 MLP with AllReduceStrategy, by Keras fit or a custom loop.
 
+Usage: strategy_train.py fit|custom|xla sgd|adam RESULTS_DIR
+
 Run with the launcher (N workers) or alone (the single-process reference);
 writes ``{results_dir}/rank{r}.json`` with the final weights and the losses.
 """
@@ -13,20 +15,24 @@ import tensorflow as tf
 from elasticdl_strategy import AllReduceStrategy, collective
 from tests.workers.report import write_report
 
-GLOBAL_BATCH = 32
+# Divisible by 2 and 3, and so is the number of rows: every worker gets equal shares.
+GLOBAL_BATCH = 48
+ROWS = 240
 STATS = {}
+OPTIMIZER = "sgd"
 
 
 def data():
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 8))
+    x = rng.standard_normal((ROWS, 8))
     y = np.tanh(x @ rng.standard_normal((8, 2)))
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
 def build():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(2)])
-    return model, keras.optimizers.SGD(0.1)
+    optimizer = keras.optimizers.Adam(0.01) if OPTIMIZER == "adam" else keras.optimizers.SGD(0.1)
+    return model, optimizer
 
 
 def train_fit(strategy):
@@ -73,7 +79,9 @@ def train_xla(strategy):
     return model, []
 
 
-def main(mode: str, results_dir: str) -> None:
+def main(mode: str, optimizer: str, results_dir: str) -> None:
+    global OPTIMIZER
+    OPTIMIZER = optimizer
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy()
     # A different seed on every rank: the variables must start from rank 0's values anyway.
@@ -94,4 +102,4 @@ def main(mode: str, results_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
