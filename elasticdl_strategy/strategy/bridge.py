@@ -20,7 +20,11 @@ from elasticdl_strategy.strategy.tf_compat import control_flow_util, ops
 
 
 def allreduce_arrays(arrays: Sequence[np.ndarray], op: str) -> List[np.ndarray]:
-    """All-reduces ``arrays`` with one ring pass per dtype; returns new arrays in the same order."""
+    """All-reduces ``arrays`` with one ring pass per dtype; returns new arrays in the same order.
+
+    ``op`` "mean" of integer arrays is the sum floor-divided by the number of
+    workers, as TensorFlow's strategies do (Keras asks for it on label batches).
+    """
     groups: Dict[np.dtype, List[int]] = {}
     for i, array in enumerate(arrays):
         groups.setdefault(array.dtype, []).append(i)
@@ -28,7 +32,10 @@ def allreduce_arrays(arrays: Sequence[np.ndarray], op: str) -> List[np.ndarray]:
     communicator = collective.communicator()
     for members in groups.values():
         fused = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in members])
-        communicator.allreduce(fused, op=op, out=fused)
+        integer_mean = op == "mean" and fused.dtype.kind in "iu"
+        communicator.allreduce(fused, op="sum" if integer_mean else op, out=fused)
+        if integer_mean:
+            fused //= communicator.size
         offset = 0
         for i in members:
             size = arrays[i].size
