@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import collective
-from elasticdl_strategy.errors import CollectiveMismatchError
+from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
 from elasticdl_strategy.strategy import bridge
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
@@ -58,6 +58,10 @@ class AllReduceStrategy(distribute_lib.Strategy):
     """
 
     def __init__(self, timeout: Optional[float] = None, sparse_as_dense: bool = False):
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(
+                f"AllReduceStrategy(timeout={timeout!r}): the timeout must be a positive number of seconds"
+            )
         collective.init()
         super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
@@ -214,17 +218,17 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices) and not self._sparse_as_dense]
         dense = [i for i in range(len(values)) if i not in set(sparse)]
         results = [None] * len(values)
-        reduced = bridge.all_reduce_tensors([tf.convert_to_tensor(values[i]) for i in dense], op)
+        reduced = bridge.all_reduce_tensors([tf.convert_to_tensor(values[i]) for i in dense], op, self._timeout)
         for i, tensor in zip(dense, reduced, strict=True):
             results[i] = tensor
         for i in sparse:
-            results[i] = bridge.all_reduce_indexed_slices(values[i], op)
+            results[i] = bridge.all_reduce_indexed_slices(values[i], op, self._timeout)
         return results
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         if self._size == 1:
             return _local(value)
-        return bridge.all_gather_tensor(_local(value), axis)
+        return bridge.all_gather_tensor(_local(value), axis, self._timeout)
 
     def _update(self, var, fn, args, kwargs, group):
         return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)

@@ -9,7 +9,7 @@ dtype rather than one per variable.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -19,7 +19,7 @@ from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.strategy.tf_compat import control_flow_util, ops
 
 
-def allreduce_arrays(arrays: Sequence[np.ndarray], op: str) -> List[np.ndarray]:
+def allreduce_arrays(arrays: Sequence[np.ndarray], op: str, timeout: Optional[float] = None) -> List[np.ndarray]:
     """All-reduces ``arrays`` with one ring pass per dtype; returns new arrays in the same order.
 
     ``op`` "mean" of integer arrays is the sum floor-divided by the number of
@@ -33,7 +33,7 @@ def allreduce_arrays(arrays: Sequence[np.ndarray], op: str) -> List[np.ndarray]:
     for members in groups.values():
         fused = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in members])
         integer_mean = op == "mean" and fused.dtype.kind in "iu"
-        communicator.allreduce(fused, op="sum" if integer_mean else op, out=fused)
+        communicator.allreduce(fused, op="sum" if integer_mean else op, out=fused, timeout=timeout)
         if integer_mean:
             fused //= communicator.size
         offset = 0
@@ -53,16 +53,16 @@ def _check_not_xla() -> None:
         )
 
 
-def all_reduce_tensors(tensors: Sequence[tf.Tensor], op: str) -> List[tf.Tensor]:
+def all_reduce_tensors(tensors: Sequence[tf.Tensor], op: str, timeout: Optional[float] = None) -> List[tf.Tensor]:
     """All-reduces ``tensors`` (``op`` "sum" or "mean") across workers; works eagerly and in graphs."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(a) for a in allreduce_arrays([t.numpy() for t in tensors], op)]
+        return [tf.convert_to_tensor(a) for a in allreduce_arrays([t.numpy() for t in tensors], op, timeout)]
     _check_not_xla()
     outputs = tf.numpy_function(
-        lambda *arrays: allreduce_arrays(arrays, op),
+        lambda *arrays: allreduce_arrays(arrays, op, timeout),
         tensors,
         [t.dtype for t in tensors],
         stateful=True,
@@ -75,13 +75,13 @@ def all_reduce_tensors(tensors: Sequence[tf.Tensor], op: str) -> List[tf.Tensor]
     return list(outputs)
 
 
-def all_gather_tensor(tensor: tf.Tensor, axis: int) -> tf.Tensor:
+def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = None) -> tf.Tensor:
     """Concatenates every worker's ``tensor`` along ``axis`` (whose size may differ per worker)."""
     tensor = tf.convert_to_tensor(tensor)
 
     def gather(array: np.ndarray) -> np.ndarray:
         moved = np.moveaxis(np.asarray(array), axis, 0)
-        return np.ascontiguousarray(np.moveaxis(collective.communicator().allgather(moved), 0, axis))
+        return np.ascontiguousarray(np.moveaxis(collective.communicator().allgather(moved, timeout=timeout), 0, axis))
 
     if tf.executing_eagerly():
         return tf.convert_to_tensor(gather(tensor.numpy()))
@@ -94,7 +94,7 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int) -> tf.Tensor:
     return output
 
 
-def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str) -> tf.IndexedSlices:
+def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str, timeout: Optional[float] = None) -> tf.IndexedSlices:
     """Reduces a sparse gradient (e.g. of an embedding) by all-gathering its rows.
 
     Rows with the same index are summed locally first, so each worker sends
@@ -103,8 +103,8 @@ def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str) -> tf.IndexedSl
     """
     unique, positions = tf.unique(tf.cast(slices.indices, tf.int64))
     values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(unique)[0])
-    indices = all_gather_tensor(unique, axis=0)
-    values = all_gather_tensor(values, axis=0)
+    indices = all_gather_tensor(unique, axis=0, timeout=timeout)
+    values = all_gather_tensor(values, axis=0, timeout=timeout)
     if op == "mean":
         values = values / tf.cast(collective.size(), values.dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)
