@@ -54,7 +54,7 @@ def main() -> int:
     train = train.shuffle(args.samples, seed=0).batch(args.global_batch)
     test = tf.data.Dataset.from_tensor_slices(make_data(2048, seed=2)).batch(args.global_batch)
 
-    model.fit(train, epochs=args.epochs, verbose=2 if rank == 0 else 0)
+    model.fit(train, epochs=args.epochs, verbose=2)  # printed by rank 0 only
     loss, accuracy = model.evaluate(test, verbose=0)  # over every worker's rows
     if rank == 0:
         print(f"{strategy.num_replicas_in_sync} workers: test loss {loss:.4f}, accuracy {accuracy:.4f}")

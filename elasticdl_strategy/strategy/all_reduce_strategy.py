@@ -55,9 +55,13 @@ class AllReduceStrategy(distribute_lib.Strategy):
         sparse_as_dense: reduce sparse gradients (``tf.IndexedSlices``, e.g. of
             embeddings) as dense tensors in the fused all-reduce, instead of
             all-gathering their rows. Dense is faster when most rows are touched.
+        log_all_ranks: let every worker print Keras progress bars and messages.
+            By default only rank 0 does: the others call
+            ``keras.config.disable_interactive_logging()``, which sends Keras'
+            messages to the (quiet by default) absl log instead of stdout.
     """
 
-    def __init__(self, timeout: Optional[float] = None, sparse_as_dense: bool = False):
+    def __init__(self, timeout: Optional[float] = None, sparse_as_dense: bool = False, log_all_ranks: bool = False):
         if timeout is not None and not timeout > 0:
             raise ConfigError(
                 f"AllReduceStrategy(timeout={timeout!r}): the timeout must be a positive number of seconds"
@@ -65,6 +69,10 @@ class AllReduceStrategy(distribute_lib.Strategy):
         collective.init()
         super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
+        if collective.rank() != 0 and not log_all_ranks:
+            import keras
+
+            keras.config.disable_interactive_logging()
 
     def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
         """Assigns ``root``'s values of ``variables`` on every worker (same order everywhere)."""

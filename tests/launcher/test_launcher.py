@@ -108,6 +108,9 @@ def test_strategy_examples_reach_their_target_accuracy_on_two_workers(example, e
     job = run_job(2, [sys.executable, path, "--epochs", "3", "--samples", "4096"], timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
     assert f"2 workers: {expected}" in job.stdout
+    if example == "keras_fit.py":  # Keras progress: printed by one worker (rank 0) only
+        printers = {line.split("]")[0] for line in job.stdout.splitlines() if "Epoch 1/3" in line}
+        assert len(printers) == 1, job.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,490 @@
+"""Train-step benchmark: one synchronous data-parallel step, single process vs TF MWMS vs ours.
+
+Usage::
+
+    python benchmarks/train_step.py [--models mlp,cnn] [--frameworks single,tf,ours]
+                                    [--batch 256] [--steps 30] [--repeats 3] [--warmup 5] [--json out.json]
+
+Setups (global batch B in every one):
+    single  one process, no strategy, batch B
+    tf      ``tf.distribute.MultiWorkerMirroredStrategy`` (RING, CPU), N local workers from TF_CONFIG, B/N each
+    ours    ``elasticdl_strategy.AllReduceStrategy``, N workers started by ``python -m elasticdl_strategy run``
+
+Models (float32, synthetic data): ``mlp`` Dense 1024->2048->1024->10 (4.2 M parameters) and
+``cnn`` two 3x3 convolutions (32, 64 filters, each followed by 2x2 max-pooling), Dense 128, Dense 10
+on 32x32x3 inputs.
+
+Method: for every setup this script starts its process(es) running itself in
+``--worker SETUP`` mode (with CUDA_VISIBLE_DEVICES="" and TF_CPP_MIN_LOG_LEVEL=2 for all).
+Per model, each worker builds the model and a Keras SGD optimizer (in ``strategy.scope()``),
+takes ONE global batch from ``strategy.experimental_distribute_dataset`` (its 1/N share) and
+re-feeds it every step, so the input pipeline costs nothing. A step is a custom loop step in
+``tf.function(jit_compile=False)``: ``strategy.run(step_fn)`` where ``step_fn`` computes
+``tf.nn.compute_average_loss(..., global_batch_size=B)``, the gradients and
+``optimizer.apply_gradients`` (which all-reduces them); the local loss is fetched after every
+step so that the step has finished. After ``--warmup`` untimed steps, ``--repeats`` windows of
+``--steps`` steps are timed with ``time.perf_counter``; a window gives seconds per step, and the
+median window is reported (samples/s = B / that). Rank 0 writes the results to a JSON file that
+the parent reads back.
+
+Breakdown of ours, measured beside the training (the library is not instrumented): one step
+sends the gradients of one dtype as one fused buffer, so the same number of
+``collective.allreduce`` calls on a float32 buffer of the parameter count is timed the same
+way; compute and the rest ~ step time - that. The bytes this rank sent per training step
+(``collective.stats()``) confirm the size. The bridge into Python is timed as a ``tf.function``
+calling ``tf.numpy_function`` with an identity function, on a tensor of the parameter count
+and on a 1-element one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allreduce import (  # noqa: E402  (the process handling of the all-reduce benchmark)
+    RUN_TIMEOUT_S,
+    _describe,
+    _log_tail,
+    _raise_interrupt,
+    _write_json,
+    free_ports,
+    stop,
+    wait_all,
+)
+
+MODELS = ("mlp", "cnn")
+FRAMEWORKS = ("single", "tf", "ours")
+MODEL_TITLES = {
+    "mlp": "MLP 1024-2048-1024-10 on 1024-dim inputs",
+    "cnn": "CNN conv3x3(32)-pool-conv3x3(64)-pool-dense(128)-dense(10) on 32x32x3 inputs",
+}
+INPUT_SHAPES = {"mlp": (1024,), "cnn": (32, 32, 3)}
+NUM_CLASSES = 10
+LEARNING_RATE = 0.01
+
+
+def _choice_list(choices: Sequence[str]) -> Callable[[str], List[str]]:
+    def parse(text: str) -> List[str]:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown name(s) {unknown} (choose from {', '.join(choices)})")
+        return names
+
+    return parse
+
+
+def setup_title(framework: str, workers: int) -> str:
+    return {
+        "single": "single process",
+        "tf": f"TF MultiWorkerMirroredStrategy, N={workers}",
+        "ours": f"ours (AllReduceStrategy), N={workers}",
+    }[framework]
+
+
+def format_mib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+# ---------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------
+
+
+def build_model(name: str):
+    import keras
+
+    layers = keras.layers
+    if name == "mlp":
+        hidden = [layers.Dense(2048, activation="relu"), layers.Dense(1024, activation="relu")]
+    else:
+        hidden = [
+            layers.Conv2D(32, 3, activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Conv2D(64, 3, activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Flatten(),
+            layers.Dense(128, activation="relu"),
+        ]
+    return keras.Sequential([keras.Input(INPUT_SHAPES[name]), *hidden, layers.Dense(NUM_CLASSES)])
+
+
+def synthetic_batch(name: str, batch: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The same global batch on every worker (fixed seed)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, *INPUT_SHAPES[name]), dtype=np.float32)
+    y = rng.integers(0, NUM_CLASSES, batch).astype(np.int32)
+    return x, y
+
+
+def make_strategy(framework: str):
+    """(strategy or None, rank, number of workers)."""
+    import tensorflow as tf
+
+    if framework == "single":
+        return None, 0, 1
+    if framework == "tf":
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        )
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        return strategy, int(strategy.cluster_resolver.task_id), strategy.num_replicas_in_sync
+    from elasticdl_strategy import AllReduceStrategy, collective
+
+    strategy = AllReduceStrategy()
+    return strategy, collective.rank(), strategy.num_replicas_in_sync
+
+
+def local_batch(strategy, x: np.ndarray, y: np.ndarray):
+    """This worker's share of the global batch (x, y), from ``experimental_distribute_dataset``."""
+    import tensorflow as tf
+
+    if strategy is None:
+        return tf.constant(x), tf.constant(y)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
+    features, labels = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    rows = strategy.experimental_local_results(features)[0].shape[0]
+    if rows != len(x) // strategy.num_replicas_in_sync:
+        raise RuntimeError(f"local batch has {rows} rows, expected {len(x)} / {strategy.num_replicas_in_sync}")
+    return features, labels
+
+
+def make_train_step(name: str, strategy, global_batch: int):
+    """(model, a function running one training step that returns when the step is done)."""
+    import keras
+    import tensorflow as tf
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = build_model(name)
+        optimizer = keras.optimizers.SGD(learning_rate=LEARNING_RATE)
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def step_fn(features, labels):
+        with tf.GradientTape() as tape:
+            per_example = loss_object(labels, model(features, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        return loss
+
+    if strategy is None:
+        train_step = tf.function(step_fn, jit_compile=False)
+
+        def run_step(features, labels) -> float:
+            return float(train_step(features, labels))
+
+    else:
+        train_step = tf.function(
+            lambda features, labels: strategy.run(step_fn, args=(features, labels)), jit_compile=False
+        )
+
+        def run_step(features, labels) -> float:
+            return float(strategy.experimental_local_results(train_step(features, labels))[0])
+
+    return model, run_step
+
+
+def window_seconds(call: Callable[[], object], steps: int, repeats: int) -> List[float]:
+    """Seconds per call in each of ``repeats`` windows of ``steps`` calls."""
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            call()
+        seconds.append((time.perf_counter() - start) / steps)
+    return seconds
+
+
+def measure_bridge(count: int, steps: int, repeats: int, warmup: int) -> List[float]:
+    """Seconds per call of a tf.function passing a float32 tensor of ``count`` through an identity numpy_function."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=False)
+    def round_trip(tensor):
+        out = tf.numpy_function(lambda a: a, [tensor], tf.float32, stateful=True)
+        return out[0]  # fetching a scalar: no copy of the whole tensor
+
+    tensor = tf.zeros([count], tf.float32)
+
+    def call() -> float:
+        return float(round_trip(tensor))
+
+    for _ in range(warmup):
+        call()
+    return window_seconds(call, steps, repeats)
+
+
+def measure_ours_allreduce(count: int, steps: int, repeats: int, warmup: int) -> List[float]:
+    """Seconds per ``collective.allreduce`` of ``count`` float32, in place (zeros: the sums stay finite)."""
+    from elasticdl_strategy import collective
+
+    buffer = np.zeros(count, np.float32)
+
+    def call() -> None:
+        collective.allreduce(buffer, op="sum", out=buffer)
+
+    for _ in range(warmup):
+        call()
+    collective.barrier()
+    return window_seconds(call, steps, repeats)
+
+
+def measure_model(framework: str, name: str, strategy, args: argparse.Namespace) -> dict:
+    model, run_step = make_train_step(name, strategy, args.batch)
+    features, labels = local_batch(strategy, *synthetic_batch(name, args.batch))
+    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    for _ in range(args.warmup):
+        run_step(features, labels)
+    result = {"params": params}
+    if framework != "ours":
+        result["step_s"] = window_seconds(lambda: run_step(features, labels), args.steps, args.repeats)
+        return result
+
+    from elasticdl_strategy import collective
+
+    sent_before = collective.stats()["bytes_sent"]
+    result["step_s"] = window_seconds(lambda: run_step(features, labels), args.steps, args.repeats)
+    result["sent_bytes_per_step"] = (collective.stats()["bytes_sent"] - sent_before) / (args.steps * args.repeats)
+    result["allreduce_s"] = measure_ours_allreduce(params, args.steps, args.repeats, args.warmup)
+    result["bridge_s"] = measure_bridge(params, args.steps, args.repeats, args.warmup)
+    result["bridge_tiny_s"] = measure_bridge(1, args.steps, args.repeats, args.warmup)
+    return result
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Measures every model; rank 0 rewrites ``args.results`` after each one."""
+    strategy, rank, _ = make_strategy(args.worker)
+    report: Dict[str, dict] = {"models": {}, "errors": {}}
+    for name in args.models:
+        try:
+            report["models"][name] = measure_model(args.worker, name, strategy, args)
+        except Exception as e:  # record the model and go on with the next one
+            traceback.print_exc()
+            report["errors"][name] = _describe(e)
+        if rank == 0:
+            _write_json(args.results, report)
+    if args.worker == "ours":
+        from elasticdl_strategy import collective
+
+        collective.barrier()  # nobody leaves while others still communicate
+        collective.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Parent side: start the process(es) of one setup, collect its results
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    framework: str
+    model: str
+    data: dict = field(default_factory=dict)
+    error: Optional[str] = None
+
+    def median_ms(self, key: str = "step_s") -> float:
+        return statistics.median(self.data[key]) * 1e3
+
+
+def worker_commands(framework: str, workers: int, worker_args: List[str]) -> List[Tuple[List[str], Dict[str, str]]]:
+    """(argv, env) of each process to start for one setup."""
+    me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
+    base = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    if framework == "single":
+        return [(me, base)]
+    if framework == "ours":
+        return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *me], base)]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
+    return [
+        (me, dict(base, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
+        for i in range(workers)
+    ]
+
+
+def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
+    """Starts the process(es) of ``framework``, waits for them, and returns one result per model."""
+    with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmp:
+        results, log = Path(tmp) / "results.json", Path(tmp) / "output.log"
+        worker_args = [
+            "--models",
+            ",".join(args.models),
+            "--batch",
+            str(args.batch),
+            "--steps",
+            str(args.steps),
+            "--repeats",
+            str(args.repeats),
+            "--warmup",
+            str(args.warmup),
+            "--results",
+            str(results),
+        ]
+        procs: List[subprocess.Popen] = []
+        started = time.monotonic()
+        try:
+            with open(log, "wb") as out:
+                for argv, env in worker_commands(framework, args.workers, worker_args):
+                    procs.append(
+                        subprocess.Popen(
+                            argv,
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+                failure = wait_all(procs, args.timeout)
+        finally:
+            stop(procs)
+        report = json.loads(results.read_text()) if results.exists() else {"models": {}, "errors": {}}
+        status = "ok" if failure is None else f"FAILED: {failure}"
+        print(f"  {framework:<6}: {time.monotonic() - started:.1f} s, {status}", file=sys.stderr, flush=True)
+        if failure is not None or report["errors"]:
+            print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
+    return [
+        Result(
+            framework,
+            name,
+            report["models"].get(name, {}),
+            report["errors"].get(name) or (None if name in report["models"] else failure or "no result"),
+        )
+        for name in args.models
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+
+def method_line(args: argparse.Namespace) -> str:
+    return (
+        f"Method: median of {args.repeats} windows of {args.steps} steps after {args.warmup} warmup steps; "
+        f"global batch {args.batch} ({args.batch // args.workers} per worker), N = {args.workers} local worker "
+        f"processes, float32, one synthetic batch re-fed every step, custom loop in tf.function(jit_compile=False), "
+        f"Keras SGD; machine: {os.cpu_count()} CPU cores (os.cpu_count())."
+    )
+
+
+def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) -> None:
+    by_framework = {r.framework: r for r in results}
+    params = next((r.data["params"] for r in results if not r.error), None)
+    size = f": {params:,} parameters ({format_mib(4 * params)} float32)" if params else ""
+    print(f"\n{MODEL_TITLES[name]}{size}")
+    print(f"{'setup':<38} | {'samples/s':>9} | {'ms/step':>8}")
+    print("-" * 62)
+    for r in results:
+        head = f"{setup_title(r.framework, args.workers):<38} | "
+        if r.error:
+            print(head + f"error: {r.error[:100]}")
+        else:
+            print(head + f"{args.batch / r.median_ms() * 1e3:9.1f} | {r.median_ms():8.2f}")
+    ours = by_framework.get("ours")
+    if ours is None or ours.error:
+        return
+    print("Ratios (samples/s of ours / of the other; > 1 means ours is faster):")
+    for framework, title in (("tf", "MultiWorkerMirroredStrategy"), ("single", "single process")):
+        other = by_framework.get(framework)
+        if other is not None:
+            ratio = "n/a" if other.error else f"{other.median_ms() / ours.median_ms():.2f}×"
+            print(f"ours vs {title}: {ratio}")
+    step, comm = ours.median_ms(), ours.median_ms("allreduce_s")
+    print(
+        f"Breakdown of ours (ms/step): step {step:.2f} = gradient all-reduce {comm:.2f} "
+        f"(collective.allreduce of {format_mib(4 * ours.data['params'])}, timed separately) "
+        f"+ compute and the rest {step - comm:.2f}; this rank sent {format_mib(ours.data['sent_bytes_per_step'])}/step"
+    )
+    print(
+        f"  bridge (tf.function + identity tf.numpy_function, ms/call): {ours.median_ms('bridge_s'):.3f} "
+        f"for {format_mib(4 * ours.data['params'])}, {ours.median_ms('bridge_tiny_s'):.3f} for 1 element"
+    )
+
+
+def write_json(path: str, args: argparse.Namespace, results: Sequence[Result]) -> None:
+    data = {
+        "method": method_line(args),
+        "cpu_count": os.cpu_count(),
+        "workers": args.workers,
+        "batch": args.batch,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "results": [
+            {
+                "framework": r.framework,
+                "model": r.model,
+                "error": r.error,
+                **r.data,
+                "median_ms_per_step": None if r.error else r.median_ms(),
+                "samples_per_s": None if r.error else args.batch / r.median_ms() * 1e3,
+            }
+            for r in results
+        ],
+    }
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", type=_choice_list(MODELS), default=list(MODELS), help="default mlp,cnn")
+    p.add_argument(
+        "--frameworks", type=_choice_list(FRAMEWORKS), default=list(FRAMEWORKS), help="default single,tf,ours"
+    )
+    p.add_argument("--batch", type=int, default=256, help="global batch size (default 256)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per window (default 30)")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows; the median is reported (default 3)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes for tf and ours (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
+    p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds per setup (default 600)")
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)  # internal: worker mode
+    p.add_argument("--results", type=Path, help=argparse.SUPPRESS)  # internal: where rank 0 writes
+    args = p.parse_args(argv)
+    if min(args.steps, args.repeats, args.workers) < 1 or args.warmup < 0:
+        p.error("--steps, --repeats and --workers must be >= 1, --warmup >= 0")
+    if args.batch < args.workers or args.batch % args.workers:
+        p.error(f"--batch must be a positive multiple of --workers ({args.workers})")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the workers
+    print(method_line(args), flush=True)
+    results: List[Result] = []
+    try:
+        results = [r for fw in args.frameworks for r in run_setup(fw, args)]
+        for name in args.models:
+            print_model(name, [r for r in results if r.model == name], args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if args.json and results:
+            write_json(args.json, args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
