@@ -323,20 +323,15 @@ def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
     """Starts the process(es) of ``framework``, waits for them, and returns one result per model."""
     with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmp:
         results, log = Path(tmp) / "results.json", Path(tmp) / "output.log"
-        worker_args = [
-            "--models",
-            ",".join(args.models),
-            "--batch",
-            str(args.batch),
-            "--steps",
-            str(args.steps),
-            "--repeats",
-            str(args.repeats),
-            "--warmup",
-            str(args.warmup),
-            "--results",
-            str(results),
-        ]
+        options = {
+            "--models": ",".join(args.models),
+            "--batch": args.batch,
+            "--steps": args.steps,
+            "--repeats": args.repeats,
+            "--warmup": args.warmup,
+            "--results": results,
+        }
+        worker_args = [str(item) for option in options.items() for item in option]
         procs: List[subprocess.Popen] = []
         started = time.monotonic()
         try:
