@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
 from elasticdl_strategy.collective.communicator import Communicator
@@ -39,7 +38,7 @@ class Worker:
         self.communicator = communicator
         self._server = server
         self._client = client
-        self._lock = threading.Lock()
+        self._declared_dead = False
 
     @classmethod
     def single(cls, options: Optional[TransportOptions] = None) -> "Worker":
@@ -94,8 +93,13 @@ class Worker:
 
     def _on_heartbeat(self, response) -> None:
         """Fails collectives at once when the coordinator drops one of our peers."""
-        if not response.known:
-            logger.error("worker %s: the coordinator declared this worker dead", self.worker_id)
+        if not response.known and not self._declared_dead:
+            self._declared_dead = True
+            logger.error(
+                "worker %s: the coordinator declared this worker dead (its heartbeats were late); "
+                "its peers no longer count on it",
+                self.worker_id,
+            )
         if response.membership_version == self.membership.version:
             return
         latest = self._client.get_membership()
