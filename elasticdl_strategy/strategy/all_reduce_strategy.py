@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
-from elasticdl_strategy.strategy import bridge
+from elasticdl_strategy.strategy import bridge, keras_compat
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -73,6 +73,7 @@ class AllReduceStrategy(distribute_lib.Strategy):
             import keras
 
             keras.config.disable_interactive_logging()
+        keras_compat.install(AllReduceStrategy)
 
     def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
         """Assigns ``root``'s values of ``variables`` on every worker (same order everywhere)."""
