@@ -55,13 +55,22 @@ class AllReduceStrategy(distribute_lib.Strategy):
         sparse_as_dense: reduce sparse gradients (``tf.IndexedSlices``, e.g. of
             embeddings) as dense tensors in the fused all-reduce, instead of
             all-gathering their rows. Dense is faster when most rows are touched.
+        save_on_all_ranks: let every worker write files in ``Model.save`` /
+            ``save_weights`` / ``ModelCheckpoint``. By default only rank 0
+            writes (all ranks hold the same weights) and the others skip.
         log_all_ranks: let every worker print Keras progress bars and messages.
             By default only rank 0 does: the others call
             ``keras.config.disable_interactive_logging()``, which sends Keras'
             messages to the (quiet by default) absl log instead of stdout.
     """
 
-    def __init__(self, timeout: Optional[float] = None, sparse_as_dense: bool = False, log_all_ranks: bool = False):
+    def __init__(
+        self,
+        timeout: Optional[float] = None,
+        sparse_as_dense: bool = False,
+        save_on_all_ranks: bool = False,
+        log_all_ranks: bool = False,
+    ):
         if timeout is not None and not timeout > 0:
             raise ConfigError(
                 f"AllReduceStrategy(timeout={timeout!r}): the timeout must be a positive number of seconds"
@@ -74,6 +83,17 @@ class AllReduceStrategy(distribute_lib.Strategy):
 
             keras.config.disable_interactive_logging()
         keras_compat.install(AllReduceStrategy)
+        self._save_on_all_ranks = save_on_all_ranks
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, which is also its replica id."""
+        return collective.rank()
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this worker writes in ``Model.save``/``save_weights``/``ModelCheckpoint``."""
+        return self._save_on_all_ranks or collective.rank() == 0
 
     def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
         """Assigns ``root``'s values of ``variables`` on every worker (same order everywhere)."""

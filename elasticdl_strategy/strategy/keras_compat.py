@@ -1,17 +1,22 @@
 """The one place that adapts Keras internals to AllReduceStrategy, version-checked.
 
-Keras 3 gathers ``predict`` outputs across workers only for
-MultiWorkerMirroredStrategy (``keras/src/backend/tensorflow/trainer.py``:
-``reduce_per_replica(..., reduction="concat")``). For AllReduceStrategy each
-worker would return just its own rows. :func:`install` wraps that function so
-that, under an AllReduceStrategy of several workers, "concat" becomes an
-all-gather along the batch axis: every worker's rows in rank order, which is
-the input order because each global batch is split into contiguous shares.
-Other reductions and other strategies are left to Keras.
+- ``predict``: Keras 3 gathers outputs across workers only for
+  MultiWorkerMirroredStrategy (``keras/src/backend/tensorflow/trainer.py``:
+  ``reduce_per_replica(..., reduction="concat")``); each worker would return
+  just its own rows. Under an AllReduceStrategy of several workers "concat"
+  becomes an all-gather along the batch axis: every worker's rows in rank
+  order, which is the input order because each global batch is split into
+  contiguous shares.
+- ``Model.save`` / ``save_weights`` (and so ``ModelCheckpoint``): written by
+  rank 0 only, unless the strategy was made with ``save_on_all_ranks=True``;
+  the other workers return without writing.
+
+Other reductions, other strategies and models outside an AllReduceStrategy are left to Keras.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -48,5 +53,21 @@ def install(strategy_class: type) -> bool:
         return original(values, strategy, reduction)
 
     trainer.reduce_per_replica = reduce_per_replica
+    for name in ("save", "save_weights"):
+        setattr(keras.Model, name, _written_once(getattr(keras.Model, name), strategy_class))
     _installed = True
     return True
+
+
+def _written_once(save, strategy_class: type):
+    """Wraps a Model saving method so that only rank 0 of an AllReduceStrategy writes."""
+
+    @functools.wraps(save)
+    def wrapper(model, *args, **kwargs):
+        strategy = getattr(model, "_distribute_strategy", None)
+        if isinstance(strategy, strategy_class) and not strategy.writes_files:
+            logger.debug("rank %d: %s skipped (rank 0 writes)", strategy.rank, save.__name__)
+            return None
+        return save(model, *args, **kwargs)
+
+    return wrapper

@@ -60,7 +60,15 @@ def test_checkpoint_is_written_once_and_restores_on_every_worker(reports):
     assert [r["should_checkpoint"] for r in reports] == [r["rank"] == 0 for r in reports]
     for report in reports:
         assert report["restored_equal"]
-        assert report["optimizer_iterations"] == 2
+        assert report["optimizer_iterations"] == 3  # fit for 2 steps, then 1 with ModelCheckpoint
+
+
+def test_model_save_and_model_checkpoint_write_on_rank_0_only(reports):
+    for report in reports:
+        r = report["rank"]
+        assert report["writes_files"] == (r == 0)
+        expected = [f"ckpt_by_rank{r}.weights.h5", f"saved_by_rank{r}.keras"] if r == 0 else []
+        assert report["wrote"] == expected
 
 
 def test_variables_created_in_another_order_raise_mismatch_on_every_rank(tmp_path):

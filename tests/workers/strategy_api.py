@@ -73,6 +73,15 @@ def main(results_dir: str) -> None:
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(optimizer="adam", loss="mse", metrics=["mae"])
     model.fit(tf.data.Dataset.from_tensors((tf.ones([4, 3]), tf.zeros([4, 2]))), epochs=2, verbose=0)
+    # Model.save / ModelCheckpoint: only rank 0 writes (paths differ per rank to tell who wrote).
+    model.save(os.path.join(results_dir, f"saved_by_rank{rank}.keras"))
+    callback = keras.callbacks.ModelCheckpoint(
+        os.path.join(results_dir, f"ckpt_by_rank{rank}.weights.h5"), save_weights_only=True
+    )
+    model.fit(
+        tf.data.Dataset.from_tensors((tf.ones([4, 3]), tf.zeros([4, 2]))), epochs=1, verbose=0, callbacks=[callback]
+    )
+    out["wrote"] = sorted(f for f in os.listdir(results_dir) if f"by_rank{rank}." in f)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     path = os.path.join(results_dir, "ckpt")
     out["should_checkpoint"] = strategy.extended.should_checkpoint
@@ -85,6 +94,7 @@ def main(results_dir: str) -> None:
     checkpoint.read(path).assert_existing_objects_matched()
     out["restored_equal"] = [w.numpy().tolist() for w in model.weights] == saved
     out["optimizer_iterations"] = int(model.optimizer.iterations.numpy())
+    out["writes_files"] = strategy.writes_files
 
     write_report(results_dir, rank, out)
     collective.shutdown()
