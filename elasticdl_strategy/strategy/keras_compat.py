@@ -11,6 +11,12 @@
   rank 0 only, unless the strategy was made with ``save_on_all_ranks=True``;
   the other workers return without writing.
 
+- Gradient aggregation: in a job of several workers, the Keras optimizer's
+  gradient all-reduce refuses to run outside an AllReduceStrategy replica
+  context (a model, optimizer or train step outside ``strategy.scope()`` /
+  ``strategy.run``), where Keras would silently skip it and each worker
+  would train on its own data.
+
 Other reductions, other strategies and models outside an AllReduceStrategy are left to Keras.
 """
 
@@ -55,8 +61,40 @@ def install(strategy_class: type) -> bool:
     trainer.reduce_per_replica = reduce_per_replica
     for name in ("save", "save_weights"):
         setattr(keras.Model, name, _written_once(getattr(keras.Model, name), strategy_class))
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    TFOptimizer._all_reduce_sum_gradients = _checked_gradient_reduction(
+        TFOptimizer._all_reduce_sum_gradients, strategy_class
+    )
     _installed = True
     return True
+
+
+def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
+    """Wraps the Keras optimizer's gradient all-reduce with a check that it reaches the ring."""
+    import tensorflow as tf
+
+    from elasticdl_strategy import collective
+    from elasticdl_strategy.errors import ConfigError
+
+    @functools.wraps(reduce_gradients)
+    def wrapper(optimizer, grads_and_vars):
+        if collective.is_initialized() and collective.size() > 1:
+            if not isinstance(optimizer._distribution_strategy, strategy_class):
+                raise ConfigError(
+                    f"the optimizer {optimizer.name} was created outside AllReduceStrategy.scope(): its gradients "
+                    "would not be reduced across the workers. Create the model and optimizer (and compile) "
+                    "under strategy.scope()"
+                )
+            if not isinstance(tf.distribute.get_strategy(), strategy_class) or not tf.distribute.get_replica_context():
+                raise ConfigError(
+                    "apply_gradients ran outside strategy.run (or the model was built outside "
+                    "AllReduceStrategy.scope()): gradients would not be reduced across the workers. "
+                    "Call it inside strategy.run(step_fn, ...), and build the model under strategy.scope()"
+                )
+        return reduce_gradients(optimizer, grads_and_vars)
+
+    return wrapper
 
 
 def _written_once(save, strategy_class: type):

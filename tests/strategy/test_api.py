@@ -79,3 +79,18 @@ def test_variables_created_in_another_order_raise_mismatch_on_every_rank(tmp_pat
         assert outcome["error"] == "CollectiveMismatchError", outcome
         assert outcome["ranks"] == [N - 1]
         assert "same variables in the same order" in outcome["message"]
+
+
+def test_training_outside_the_strategy_is_an_error_not_silent_local_training(tmp_path):
+    job = run_job(N, [sys.executable, worker_script("strategy_misuse.py"), str(tmp_path)], timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    for r in range(N):
+        outcomes = json.loads((tmp_path / f"rank{r}.json").read_text())
+        for case, says in [
+            ("model_outside_scope", "created outside AllReduceStrategy.scope()"),  # compile made its optimizer
+            ("model_outside_scope_compiled_inside", "model was built outside AllReduceStrategy.scope()"),
+            ("apply_gradients_outside_run", "apply_gradients ran outside strategy.run"),
+            ("optimizer_outside_scope", "created outside AllReduceStrategy.scope()"),
+        ]:
+            assert outcomes[case] is not None and outcomes[case].startswith("ConfigError"), (case, outcomes[case])
+            assert says in outcomes[case], (case, outcomes[case])
