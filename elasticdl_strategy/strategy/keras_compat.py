@@ -7,6 +7,11 @@
   becomes an all-gather along the batch axis: every worker's rows in rank
   order, which is the input order because each global batch is split into
   contiguous shares.
+- Per-step logs of ``fit``/``evaluate`` (what the progress bar and batch
+  callbacks see): averaged over the workers with one fused all-reduce per
+  step (Keras does it for MultiWorkerMirroredStrategy only); each worker's
+  running means cover equal shares of every batch, so their mean is the
+  global value. Epoch logs come from the sync-on-read metric variables.
 - ``Model.save`` / ``save_weights`` (and so ``ModelCheckpoint``): written by
   rank 0 only, unless the strategy was made with ``save_on_all_ranks=True``;
   the other workers return without writing.
@@ -54,8 +59,12 @@ def install(strategy_class: type) -> bool:
         return False
 
     def reduce_per_replica(values, strategy, reduction):
-        if reduction == "concat" and isinstance(strategy, strategy_class) and strategy.num_replicas_in_sync > 1:
-            return tree.map_structure(lambda value: strategy.gather(value, axis=0), values)
+        if isinstance(strategy, strategy_class) and strategy.num_replicas_in_sync > 1:
+            if reduction == "concat":
+                return tree.map_structure(lambda value: strategy.gather(value, axis=0), values)
+            if reduction in ("auto", "mean"):
+                # Per-step logs: one fused all-reduce of every value, averaged over the workers.
+                return strategy.reduce("MEAN", values, axis=None)
         return original(values, strategy, reduction)
 
     trainer.reduce_per_replica = reduce_per_replica

@@ -51,8 +51,9 @@ def test_workers_match_one_process_on_the_global_batch(tmp_path, mode, optimizer
     loss_rtol = 1e-6 if mode == "fit" else 1e-9
     for worker in workers:
         np.testing.assert_allclose(worker["losses"], reference["losses"], rtol=loss_rtol)
-    if mode == "fit":  # predict: every row, in input order, on every worker
+    if mode == "fit":  # per-batch logs are global too; predict: every row, in input order, on every worker
         for worker in workers:
+            np.testing.assert_allclose(worker["batch_losses"], reference["batch_losses"], rtol=1e-6)
             np.testing.assert_allclose(worker["predictions"], reference["predictions"], rtol=1e-9, atol=1e-9)
     if mode == "custom":
         # One fused ring all-reduce for all 4 gradients (one dtype) + one for the loss:

@@ -39,7 +39,10 @@ def train_fit(strategy):
     with strategy.scope():
         model, optimizer = build()
         model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
-    history = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    batch_losses = []
+    recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batch_losses.append(logs["loss"]))
+    history = model.fit(data(), epochs=2, verbose=0, shuffle=False, callbacks=[recorder])
+    STATS["batch_losses"] = [float(x) for x in batch_losses]
     # 50 rows in batches of 16: the last batch (2 rows) splits unevenly for N = 3.
     inputs = np.random.default_rng(5).standard_normal((50, 8))
     STATS["predictions"] = model.predict(inputs, batch_size=16, verbose=0).tolist()
