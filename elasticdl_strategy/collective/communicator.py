@@ -420,7 +420,10 @@ class Communicator:
         if self._error_factory is not None:
             raise self._error_factory()
 
-    def on_timeout(self, step: ring.CollectiveCall, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+    def _on_timeout(self, step: ring.CollectiveCall, error: CollectiveTimeoutError) -> CommunicationError:
+        """Aborts every rank after a local deadline; returns the error to raise here."""
+        if self._error_factory is not None:  # aborted already (maybe by a peer's timeout): keep that cause
+            return self._error_factory()
         waiting = sorted(set(error.waiting_for) | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
         d = step.descriptor
         message = (
@@ -452,5 +455,5 @@ class _Running:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and issubclass(exc_type, CollectiveTimeoutError):
-            raise self._communicator.on_timeout(self._step, exc) from None
+            raise self._communicator._on_timeout(self._step, exc) from None
         return False
