@@ -11,7 +11,6 @@ The data (4 Gaussian classes in 16 dimensions) is generated.
 Target: test accuracy >= 0.95 (the script exits 1 below it).
 """
 
-import argparse
 import sys
 
 import keras
@@ -20,20 +19,15 @@ import tensorflow as tf
 from elasticdl_strategy import AllReduceStrategy, collective
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from keras_fit import TARGET_ACCURACY, make_data  # noqa: E402  (the same generated data)
+from keras_fit import TARGET_ACCURACY, build_model, make_data, parse_args  # noqa: E402  (same data, model, flags)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--samples", type=int, default=8192)
-    args = parser.parse_args()
-
+    args = parse_args(__doc__.splitlines()[0])
     strategy = AllReduceStrategy()
     rank = collective.rank()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+        model = build_model()
         optimizer = keras.optimizers.Adam(1e-2)
         loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         test_accuracy = keras.metrics.SparseCategoricalAccuracy()

@@ -32,17 +32,25 @@ def make_data(samples: int, seed: int):
     return features.astype("float32"), labels.astype("int64")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--samples", type=int, default=8192)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def build_model() -> keras.Model:
+    """A small classifier of the 16-dimensional points into 4 classes (logits)."""
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0])
     strategy = AllReduceStrategy()
     rank = collective.rank()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+        model = build_model()
         model.compile(
             optimizer=keras.optimizers.Adam(1e-2),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -33,8 +33,14 @@ REDUCE_UFUNCS: Dict[str, Callable] = {
 }
 
 
+# dtype -> name by dict lookup: ``np.dtype.name`` runs Python code, and this is
+# needed for every message on the ring's data path.
+_NAMES: Dict[np.dtype, str] = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
+
+
 def dtype_name(dtype: np.dtype) -> str:
-    return np.dtype(dtype).name
+    dtype = np.dtype(dtype)
+    return _NAMES.get(dtype) or dtype.name
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -51,12 +57,10 @@ def as_supported_array(array) -> np.ndarray:
         ConfigError: the dtype is not supported.
     """
     array = np.asarray(array)
-    name = array.dtype.name
-    if name not in SUPPORTED_DTYPES or array.dtype != SUPPORTED_DTYPES[name]:
+    if array.dtype not in _NAMES:
         if array.dtype.kind in "biuf" and not array.dtype.isnative:
             array = array.astype(array.dtype.newbyteorder("="))
-            name = array.dtype.name
-        if name not in SUPPORTED_DTYPES:
+        if array.dtype not in _NAMES:
             raise ConfigError(f"unsupported dtype {array.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
     # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
     return array if array.flags.c_contiguous else array.copy(order="C")
