@@ -4,6 +4,7 @@ Layers, bottom-up: :mod:`~elasticdl_strategy.transport` (gRPC, streaming, auth),
 :mod:`~elasticdl_strategy.collective` (point-to-point and collectives),
 :mod:`~elasticdl_strategy.coordinator` (rendezvous, membership, heartbeats),
 :mod:`~elasticdl_strategy.strategy` (``AllReduceStrategy``, the tf.distribute integration),
+:mod:`~elasticdl_strategy.elastic` and :mod:`~elasticdl_strategy.data` (commit/restore, exactly-once records),
 :mod:`~elasticdl_strategy.launcher` (local processes).
 """
 

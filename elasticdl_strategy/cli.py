@@ -31,8 +31,17 @@ def _run_parser() -> argparse.ArgumentParser:
         usage=f"{PROG} run --workers N [options] -- CMD [ARGS...]",
     )
     p.add_argument("--workers", "-n", type=int, required=True, help="number of workers to start")
-    p.add_argument("--min-workers", type=int, help="fewest workers to train with (default: --workers)")
-    p.add_argument("--max-workers", type=int, help="most workers in a membership (default: --workers)")
+    p.add_argument(
+        "--min-workers", type=int, help="fewest workers to train with; below it training waits (default: --workers)"
+    )
+    p.add_argument(
+        "--max-workers",
+        type=int,
+        help="most workers in a membership; workers beyond it wait as standbys (default: --workers)",
+    )
+    p.add_argument(
+        "--max-restarts", type=int, default=0, help="start a failed worker again (new worker id) up to this many times"
+    )
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="interface for the coordinator and workers (default 127.0.0.1)")
     p.add_argument("--timeout", type=float, help="deadline of collectives and receives in seconds (default 60)")
@@ -62,11 +71,13 @@ def _run(argv: List[str]) -> int:
             if not (args.tls_cert and args.tls_key):
                 raise ConfigError("--tls-cert and --tls-key go together")
             tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+        max_workers = args.max_workers if args.max_workers is not None else args.workers
         config = LaunchConfig(
             command=command,
             workers=args.workers,
-            min_workers=args.min_workers if args.min_workers is not None else args.workers,
-            max_workers=args.max_workers if args.max_workers is not None else args.workers,
+            min_workers=args.min_workers if args.min_workers is not None else min(args.workers, max_workers),
+            max_workers=max_workers,
+            max_restarts=args.max_restarts,
             port=args.port,
             host=args.host,
             timeout_s=args.timeout,

@@ -15,12 +15,18 @@ The hierarchy::
     ├── ConfigError              bad flags, environment or arguments (before anything starts)
     ├── AuthenticationError      a call was rejected: missing or wrong job token
     ├── RendezvousError          the coordinator could not form or reach a membership
-    │   └── RendezvousTimeoutError
-    └── CommunicationError       a point-to-point or collective operation failed
-        ├── PeerFailureError         a peer died, left or became unreachable
-        ├── CollectiveMismatchError  ranks called different collectives or arguments
-        ├── CollectiveTimeoutError   a collective or recv passed its deadline
-        └── CommunicatorClosedError  the communicator was shut down
+    │   ├── RendezvousTimeoutError
+    │   └── JobFinished              a standby learns that the job ended without it
+    ├── CommunicationError       a point-to-point or collective operation failed
+    │   ├── PeerFailureError         a peer died, left or became unreachable
+    │   ├── CollectiveMismatchError  ranks called different collectives or arguments
+    │   ├── CollectiveTimeoutError   a collective or recv passed its deadline
+    │   ├── CommunicatorClosedError  the communicator was shut down
+    │   └── CommitAbortedError       a commit was not recorded: the membership changed
+    └── MembershipChangedInterrupt   (elastic) members join or leave at this commit
+
+:func:`elasticdl_strategy.elastic.run` recovers from every CommunicationError
+except CollectiveMismatchError, and handles MembershipChangedInterrupt.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ class RendezvousError(ElasticDLError):
 
 class RendezvousTimeoutError(RendezvousError):
     """Not enough workers registered before the rendezvous deadline."""
+
+
+class JobFinished(RendezvousError):
+    """The job finished while this worker waited to join it (a standby): nothing left to do."""
 
 
 class CommunicationError(ElasticDLError):
@@ -102,3 +112,27 @@ class CollectiveTimeoutError(CommunicationError):
 
 class CommunicatorClosedError(CommunicationError):
     """An operation was attempted on a communicator that has been shut down."""
+
+
+class CommitAbortedError(CommunicationError):
+    """An elastic commit was not recorded because the membership changed (a worker failed).
+
+    Attributes:
+        membership_version: the version the coordinator moved to.
+    """
+
+    def __init__(self, message: str, *, membership_version: int, rank: Optional[int] = None):
+        super().__init__(message, rank=rank)
+        self.membership_version = membership_version
+
+
+class MembershipChangedInterrupt(ElasticDLError):
+    """Raised by an elastic commit when workers join or leave at it.
+
+    The state was committed; :func:`elasticdl_strategy.elastic.run` re-forms
+    with the new membership and continues without rolling back.
+    """
+
+    def __init__(self, message: str, *, membership_version: int):
+        super().__init__(message)
+        self.membership_version = membership_version

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 from typing import Dict, Mapping, Optional, Sequence
 
@@ -34,7 +35,7 @@ from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import Request
 from elasticdl_strategy.collective.worker import Worker
 from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
-from elasticdl_strategy.errors import ElasticDLError
+from elasticdl_strategy.errors import ElasticDLError, JobFinished
 
 __all__ = [
     "init",
@@ -43,6 +44,7 @@ __all__ = [
     "rank",
     "size",
     "communicator",
+    "current_worker",
     "stats",
     "allreduce",
     "reduce",
@@ -83,6 +85,7 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
         if _worker is not None:
             return
         parsed = WorkerEnvironment.from_env(os.environ if env is None else env)
+        _install_failure_hook()
         if parsed is None:
             logger.warning(
                 "elasticdl_strategy: %s is not set (not started by the launcher): running as a single worker, rank 0 of 1",
@@ -90,18 +93,41 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
             )
             _worker = Worker.single()
         else:
-            _worker = Worker.join(parsed)
+            try:
+                _worker = Worker.join(parsed)
+            except JobFinished as e:
+                logger.warning("%s: this standby exits", e)
+                raise SystemExit(0) from None
         # Leave cleanly at exit, before the interpreter stops the thread pools gRPC relies on.
-        getattr(threading, "_register_atexit", atexit.register)(shutdown)
+        getattr(threading, "_register_atexit", atexit.register)(lambda: shutdown(finished=not _crashed))
 
 
-def shutdown() -> None:
-    """Leaves the job: closes streams and the server, tells the coordinator. Idempotent."""
+_crashed = False
+
+
+def _install_failure_hook() -> None:
+    """Remembers an uncaught exception, so that leaving at exit does not mark the job finished."""
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        global _crashed
+        _crashed = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+
+
+def shutdown(finished: bool = True) -> None:
+    """Leaves the job: closes streams and the server, tells the coordinator. Idempotent.
+
+    ``finished`` (the default, and at a successful exit): this worker's
+    program is done, so the job is: workers waiting to join stop waiting.
+    """
     global _worker
     with _lock:
         worker, _worker = _worker, None
     if worker is not None:
-        worker.shutdown()
+        worker.shutdown(finished=finished)
 
 
 def is_initialized() -> bool:
@@ -113,6 +139,11 @@ def _current() -> Worker:
     if worker is None:
         raise ElasticDLError("elasticdl_strategy.collective is not initialized: call collective.init() first")
     return worker
+
+
+def current_worker() -> Worker:
+    """This process's :class:`~elasticdl_strategy.collective.worker.Worker` (for the elastic layer)."""
+    return _current()
 
 
 def communicator() -> Communicator:

@@ -94,6 +94,12 @@ class Communicator:
     def size(self) -> int:
         return self.p2p.size
 
+    @property
+    def failure(self) -> Optional[CommunicationError]:
+        """The error every collective raises since this communicator aborted; ``None`` while healthy."""
+        factory = self._error_factory
+        return factory() if factory is not None else None
+
     # ---- collectives ----------------------------------------------------------------------
 
     def allreduce(

@@ -1,15 +1,23 @@
-"""Joining a job: peer server, registration, membership, heartbeats, communicator."""
+"""Joining a job: peer server, registration, membership, heartbeats, communicator.
+
+The :class:`Worker` also re-forms: after a failure or a membership switch at a
+commit, :meth:`Worker.reform` waits for the coordinator's next membership and
+replaces the communicator in place (same process, same server).
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import threading
+import time
+from typing import Iterable, Optional
 
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.environment import WorkerEnvironment
+from elasticdl_strategy.transport.protos import coordinator_pb2
 from elasticdl_strategy.transport.allocator import tune_for_streaming
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.worker_server import WorkerServer
@@ -32,12 +40,21 @@ class Worker:
         communicator: Communicator,
         server: Optional[WorkerServer] = None,
         client: Optional[CoordinatorClient] = None,
+        env: Optional[WorkerEnvironment] = None,
+        joined_running_job: bool = False,
     ):
         self.membership = membership
         self.worker_id = worker_id
         self.communicator = communicator
+        # True when this worker joined a job that was already training: its state
+        # comes from the others (elastic sync), not from broadcasts at creation.
+        self.joined_running_job = joined_running_job
+        # The last commit the job recorded, as this worker knows it.
+        self.last_commit = coordinator_pb2.CommitRecord()
         self._server = server
         self._client = client
+        self._env = env
+        self._reregister_lock = threading.Lock()
         self._declared_dead = False
 
     @classmethod
@@ -56,7 +73,7 @@ class Worker:
         try:
             address = f"{env.peer_host}:{server.port}"
             client = CoordinatorClient(env.coordinator_address, env.worker_id, env.token, env.transport)
-            client.register(address, timeout=env.rendezvous_timeout_s)
+            registered = client.register(address, timeout=env.rendezvous_timeout_s)
             # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
             client.start_heartbeats(
                 lambda: worker.membership.version if worker else 0,
@@ -81,7 +98,7 @@ class Worker:
                 client.close()
             server.stop(0)
             raise
-        worker = cls(membership, env.worker_id, communicator, server, client)
+        worker = cls(membership, env.worker_id, communicator, server, client, env, registered.joins_running_job)
         logger.info(
             "worker %s is rank %d of %d (membership version %d)",
             env.worker_id,
@@ -91,15 +108,45 @@ class Worker:
         )
         return worker
 
+    @property
+    def client(self) -> Optional[CoordinatorClient]:
+        """The coordinator session (``None`` for a single worker)."""
+        return self._client
+
+    def reregister(self) -> None:
+        """Registers again with the membership and last commit this worker knows.
+
+        Used when the coordinator no longer knows this worker: after a
+        coordinator restart it recovers the job from these reports; after this
+        worker was declared dead, it joins again as a new member.
+        """
+        if self._client is None:
+            return
+        with self._reregister_lock:
+            address = f"{self._env.peer_host}:{self._server.port}"
+            self._client.register(address, self._env.rendezvous_timeout_s, self.membership, self.last_commit)
+
     def _on_heartbeat(self, response) -> None:
         """Fails collectives at once when the coordinator drops one of our peers."""
-        if not response.known and not self._declared_dead:
-            self._declared_dead = True
-            logger.error(
-                "worker %s: the coordinator declared this worker dead (its heartbeats were late); "
-                "its peers no longer count on it",
-                self.worker_id,
-            )
+        if not response.known:
+            if response.membership_version < self.membership.version:
+                logger.warning(
+                    "worker %s: the coordinator is at membership version %d, behind this worker's %d "
+                    "(it restarted): registering again so that it recovers the job",
+                    self.worker_id,
+                    response.membership_version,
+                    self.membership.version,
+                )
+            elif not self._declared_dead:
+                self._declared_dead = True
+                logger.error(
+                    "worker %s: the coordinator declared this worker dead (its heartbeats were late); "
+                    "its peers no longer count on it: it registers again and waits to rejoin",
+                    self.worker_id,
+                )
+            self.reregister()
+            return
+        self._declared_dead = False
         if response.membership_version == self.membership.version:
             return
         latest = self._client.get_membership()
@@ -110,11 +157,75 @@ class Worker:
                     rank, f"the coordinator removed it in membership version {latest.version} ({latest.reason})"
                 )
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Ends streams (so peers see a goodbye, not a failure), leaves the job, stops the server."""
+    def reform(self, reason: str, failed: bool, suspects: Iterable[str] = (), timeout: Optional[float] = None) -> float:
+        """Replaces the communicator with one for the coordinator's next membership.
+
+        Args:
+            reason: why (logged with the change).
+            failed: a collective failed: report it (and ``suspects``, worker ids
+                that could not be reached) so that the coordinator publishes a
+                new membership. Without failure the caller knows one was
+                published (a switch agreed at a commit).
+            timeout: how long to wait for a membership with at least
+                ``--min-workers`` (default: the rendezvous timeout).
+
+        Returns:
+            seconds the re-formation took.
+
+        Raises:
+            RendezvousTimeoutError: no usable membership within ``timeout``; the
+                message says how many workers are registered and how many are needed.
+        """
+        if self._client is None:
+            raise RuntimeError("a single worker has nothing to re-form")
+        started = time.monotonic()
+        old = self.membership
+        if failed:
+            self._client.report_failure(old.version, suspects, reason)
+        timeout = self._env.rendezvous_timeout_s if timeout is None else timeout
+        new = self._client.wait_for_membership(after_version=old.version, timeout=timeout)
+        rank = new.rank_of(self.worker_id)
+        p2p = PointToPoint(
+            rank,
+            new.addresses,
+            new.version,
+            self._env.token,
+            self._env.transport,
+            worker_id=self.worker_id,
+            worker_ids=[m.worker_id for m in new.members],
+        )
+        previous = self.communicator
+        self.communicator = Communicator(p2p)
+        self.membership = new
+        self._server.set_listener(new.version, p2p)
+        # Goodbyes to the old peers in the background: a hung peer must not delay training.
+        threading.Thread(target=previous.close, kwargs={"timeout": 2.0}, name="edl-close-old", daemon=True).start()
+        elapsed = time.monotonic() - started
+        logger.warning(
+            "worker %s: membership version %d -> %d (%s; coordinator: %s): %s -> %s; now rank %d of %d "
+            "(re-formed in %.2fs)",
+            self.worker_id,
+            old.version,
+            new.version,
+            reason,
+            new.reason,
+            [m.worker_id for m in old.members],
+            [m.worker_id for m in new.members],
+            rank,
+            new.size,
+            elapsed,
+        )
+        return elapsed
+
+    def shutdown(self, timeout: float = 5.0, finished: bool = False) -> None:
+        """Ends streams (so peers see a goodbye, not a failure), leaves the job, stops the server.
+
+        ``finished``: the program ended successfully, so the job is done and
+        standbys can stop waiting.
+        """
         self.communicator.close(timeout)
         if self._client is not None:
-            self._client.leave("shutdown")
+            self._client.leave("finished" if finished else "shutdown", finished=finished)
             self._client.close()
         if self._server is not None:
             self._server.stop(grace=1.0)

@@ -10,7 +10,15 @@ from typing import Callable, Optional
 import grpc
 
 from elasticdl_strategy.coordinator.membership import Membership
-from elasticdl_strategy.errors import AuthenticationError, RendezvousError, RendezvousTimeoutError
+from elasticdl_strategy.errors import (
+    AuthenticationError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigError,
+    JobFinished,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from elasticdl_strategy.transport.auth import call_metadata
 from elasticdl_strategy.transport.endpoints import open_channel
 from elasticdl_strategy.transport.options import TransportOptions
@@ -54,11 +62,21 @@ class CoordinatorClient:
                 ) from None
             raise
 
-    def register(self, address: str, timeout: float) -> int:
+    def register(
+        self,
+        address: str,
+        timeout: float,
+        membership: Optional[Membership] = None,
+        last_commit: Optional[coordinator_pb2.CommitRecord] = None,
+    ) -> coordinator_pb2.RegisterResponse:
         """Registers this worker's peer ``address``, retrying until ``timeout``.
 
+        ``membership`` and ``last_commit`` are passed when re-registering with a
+        coordinator that restarted, so that it can recover the job's state.
+
         Returns:
-            the join order (1 for the first worker of the job).
+            the response: join order (1 for the first worker of the job), and
+            whether this worker joins a job that is already training.
 
         Raises:
             RendezvousError: the coordinator could not be reached in time or refused the worker.
@@ -66,11 +84,15 @@ class CoordinatorClient:
         """
         deadline = time.monotonic() + timeout
         request = coordinator_pb2.RegisterRequest(worker_id=self.worker_id, address=address)
+        if membership is not None:
+            request.membership.CopyFrom(membership.to_proto())
+        if last_commit is not None:
+            request.last_commit.CopyFrom(last_commit)
         while True:
             try:
                 response = self._call(self._stub.Register, request, min(_RPC_TIMEOUT_S, timeout))
                 self.heartbeat_interval_s = response.heartbeat_interval_s or self.heartbeat_interval_s
-                return response.join_order
+                return response
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise RendezvousError(
@@ -100,8 +122,14 @@ class CoordinatorClient:
             )
             try:
                 last = self._call(self._stub.GetMembership, request, request.wait_s + _RPC_TIMEOUT_S)
+                if last.job_finished:
+                    raise JobFinished(f"worker {self.worker_id}: the job finished; no membership will come")
                 membership = Membership.from_proto(last.membership)
-                if membership.version > after_version and membership.rank_of(self.worker_id) >= 0:
+                if (
+                    membership.version > after_version
+                    and membership.rank_of(self.worker_id) >= 0
+                    and membership.size >= last.min_workers
+                ):
                     return membership
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -143,10 +171,96 @@ class CoordinatorClient:
         request = coordinator_pb2.GetMembershipRequest(worker_id=self.worker_id, after_version=-1, wait_s=0)
         return Membership.from_proto(self._call(self._stub.GetMembership, request, _RPC_TIMEOUT_S).membership)
 
-    def leave(self, reason: str) -> None:
-        """Tells the coordinator this worker is leaving; best effort."""
+    def last_commit(self) -> coordinator_pb2.CommitRecord:
+        """The last commit the coordinator recorded (commit id 0: none yet)."""
+        request = coordinator_pb2.GetMembershipRequest(worker_id=self.worker_id, after_version=-1, wait_s=0)
+        return self._call(self._stub.GetMembership, request, _RPC_TIMEOUT_S).last_commit
+
+    def commit(
+        self,
+        membership_version: int,
+        commit_id: int,
+        position: coordinator_pb2.DataPosition,
+        leaving: bool,
+        timeout: float,
+        on_unavailable: Optional[Callable[[], None]] = None,
+    ) -> coordinator_pb2.CommitResponse:
+        """Waits until every member committed ``commit_id`` (recorded) or the membership changed.
+
+        ``on_unavailable`` runs when the coordinator cannot be reached or no
+        longer knows this membership (it restarted); the call then retries.
+
+        Raises:
+            CollectiveTimeoutError: some members did not commit within ``timeout`` (names them).
+            CollectiveMismatchError: the members committed different ids or data positions.
+        """
+        deadline = time.monotonic() + timeout
+        request = coordinator_pb2.CommitRequest(
+            worker_id=self.worker_id,
+            membership_version=membership_version,
+            commit_id=commit_id,
+            position=position,
+            leaving=leaving,
+        )
+        reason = "no answer from the coordinator"
+        while time.monotonic() < deadline:
+            try:
+                response = self._call(self._stub.Commit, request, _RPC_TIMEOUT_S + 30.0)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise CollectiveMismatchError(f"worker {self.worker_id}: commit refused: {e.details()}") from None
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                reason = f"the coordinator at {self.address} is unreachable ({e.code().name})"
+                time.sleep(_RETRY_PAUSE_S)
+                continue
+            if response.recorded or response.membership_version > membership_version:
+                return response
+            if response.membership_version < membership_version and on_unavailable is not None:
+                reason = f"the coordinator no longer knows membership version {membership_version}"
+                on_unavailable()  # it restarted: re-register, then retry
+                continue
+            if response.membership_version != membership_version:
+                return response
+            reason = response.reason
+        raise CollectiveTimeoutError(
+            f"worker {self.worker_id}: commit #{commit_id} not recorded within {timeout:g}s: {reason}"
+        )
+
+    def report_failure(self, membership_version: int, suspects, reason: str) -> None:
+        """Tells the coordinator a collective failed, naming unreachable workers; best effort."""
+        request = coordinator_pb2.FailureReport(
+            worker_id=self.worker_id, membership_version=membership_version, suspects=list(suspects), reason=reason
+        )
         try:
-            self._call(self._stub.Leave, coordinator_pb2.LeaveRequest(worker_id=self.worker_id, reason=reason), 2.0)
+            self._call(self._stub.ReportFailure, request, _RPC_TIMEOUT_S)
+        except (grpc.RpcError, AuthenticationError) as e:
+            logger.warning("worker %s: failure report not delivered: %s", self.worker_id, e)
+
+    def get_shards(self, spec: coordinator_pb2.DatasetSpec, epoch: int, timeout: float = _RPC_TIMEOUT_S):
+        """Returns ``(starts, ends)`` of the shards of ``epoch``, registering ``spec`` on first use.
+
+        Raises:
+            ConfigError: ``spec`` differs from the job's dataset.
+        """
+        deadline = time.monotonic() + timeout
+        request = coordinator_pb2.GetShardsRequest(worker_id=self.worker_id, spec=spec, epoch=epoch)
+        while True:
+            try:
+                response = self._call(self._stub.GetShards, request, _RPC_TIMEOUT_S)
+                return list(response.starts), list(response.ends)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ConfigError(e.details()) from None
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise RendezvousError(f"worker {self.worker_id}: GetShards failed: {e.details()}") from None
+                time.sleep(_RETRY_PAUSE_S)
+
+    def leave(self, reason: str, finished: bool = False) -> None:
+        """Tells the coordinator this worker is leaving (``finished``: its program succeeded); best effort."""
+        request = coordinator_pb2.LeaveRequest(worker_id=self.worker_id, reason=reason, finished=finished)
+        try:
+            self._call(self._stub.Leave, request, 2.0)
         except (grpc.RpcError, AuthenticationError) as e:
             logger.debug("leave not delivered: %s", e)
 

@@ -1,11 +1,22 @@
-"""The coordinator: rendezvous, membership versions and heartbeats.
+"""The coordinator: rendezvous, membership versions, heartbeats, commits and data shards.
 
 One coordinator runs per job, in its own process (the local launcher starts it;
 on Kubernetes the master pod runs it). Workers register with a stable worker id
 and the address of their peer server; once enough have registered the
-coordinator publishes membership version 1, ranks following join order. A
-worker whose heartbeats stop for ``heartbeat_timeout_s`` is declared dead, and
-every change of the member set publishes a new version.
+coordinator publishes membership version 1, ranks following join order.
+
+After that, membership changes are published as new versions:
+
+* a worker whose heartbeats stop for ``heartbeat_timeout_s``, that a peer
+  reports unreachable (and that does not answer a health check), or that leaves
+  is removed at once: survivors re-form and roll back to the last commit;
+* a worker that registers while a membership trains waits, and joins at the
+  next commit, so every member switches at the same step;
+* a commit (``Commit``) is a barrier over the members: it is recorded, with the
+  data position every rank reported, only when all members sent it.
+
+A restarted coordinator recovers: workers re-register with the membership and
+last commit they know, and it adopts the newest.
 """
 
 from __future__ import annotations
@@ -19,14 +30,21 @@ from typing import Dict, List, Optional
 
 import grpc
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
+from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 # Longest a GetMembership call may block, so that callers' deadlines stay short.
 MAX_MEMBERSHIP_WAIT_S = 30.0
+# How long a reported peer gets to answer a health check before it is declared dead.
+_PROBE_TIMEOUT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +97,21 @@ class _Worker:
     alive: bool = True
 
 
+@dataclasses.dataclass
+class _Barrier:
+    """Commits received for one commit id in one membership version."""
+
+    version: int
+    commit_id: int
+    position: coordinator_pb2.DataPosition
+    arrived: Dict[str, bool] = dataclasses.field(default_factory=dict)  # worker id -> leaving
+    error: str = ""
+
+
+def _position_text(p: coordinator_pb2.DataPosition) -> str:
+    return f"(epoch {p.epoch}, batch {p.batch}, record {p.cursor})"
+
+
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     """Membership state and the ``Coordinator`` gRPC service.
 
@@ -89,9 +122,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         server, port = start_server([...], "127.0.0.1:0", token, TransportOptions())
     """
 
-    def __init__(self, params: CoordinatorParams, clock=time.monotonic):
+    def __init__(self, params: CoordinatorParams, clock=time.monotonic, options: Optional[TransportOptions] = None):
         self.params = params
         self._clock = clock
+        self._options = options or TransportOptions()
         self._cond = threading.Condition()
         self._workers: Dict[str, _Worker] = collections.OrderedDict()
         self._joins = 0
@@ -99,6 +133,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self._waiting: collections.Counter = collections.Counter()
         self._membership = EMPTY
         self._min_reached_at: Optional[float] = None
+        self._last_commit = coordinator_pb2.CommitRecord()
+        self._barrier: Optional[_Barrier] = None
+        self._finished = False
+        self.shards = ShardTables()
         self._stop = threading.Event()
         self._reaper: Optional[threading.Thread] = None
 
@@ -109,11 +147,27 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         with self._cond:
             return self._membership
 
+    @property
+    def last_commit(self) -> coordinator_pb2.CommitRecord:
+        with self._cond:
+            return coordinator_pb2.CommitRecord().__class__.FromString(self._last_commit.SerializeToString())
+
     def _live(self) -> List[_Worker]:
         return sorted((w for w in self._workers.values() if w.alive), key=lambda w: w.join_order)
 
-    def _publish_if_changed(self, reason: str) -> None:
-        """Publishes a new version when the desired member set differs (call with the lock held)."""
+    def _ready(self, membership: Membership) -> bool:
+        return membership.size >= self.params.min_workers
+
+    def _publish_if_changed(self, reason: str, admit: bool = True, force: bool = False) -> None:
+        """Publishes a new version when the member set should change (call with the lock held).
+
+        Members that are still alive keep their order; with ``admit``, live
+        non-members are added in join order up to ``max_workers``. ``force``
+        publishes even an unchanged member set (survivors of a failed collective
+        re-form without a member missing).
+        """
+        if self._finished:
+            return  # the job is done: no more memberships
         live = self._live()
         now = self._clock()
         if self._membership.version == 0:
@@ -127,17 +181,28 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             if not (enough or last_call_over):
                 return
             reason = "formed" if enough else f"formed with {len(live)} workers after the last call"
-        members = tuple(Member(w.worker_id, w.address) for w in live[: self.params.max_workers])
-        if members == self._membership.members:
+            chosen = live[: self.params.max_workers]
+        else:
+            alive = {w.worker_id for w in live}
+            chosen = [self._workers[m.worker_id] for m in self._membership.members if m.worker_id in alive]
+            if admit or not self._ready(self._membership):
+                members = {w.worker_id for w in chosen}
+                chosen += [w for w in live if w.worker_id not in members][: self.params.max_workers - len(chosen)]
+        members = tuple(Member(w.worker_id, w.address) for w in chosen)
+        if members == self._membership.members and not force:
             return
         old = self._membership
         self._membership = Membership(old.version + 1, members, reason)
+        self._barrier = None
+        waiting = "" if self._ready(self._membership) else f"; below --min-workers={self.params.min_workers}, waiting"
         logger.info(
-            "membership version %d -> %d (%s): %s",
+            "membership version %d -> %d (%s): %s -> %s%s",
             old.version,
             self._membership.version,
             reason,
+            [m.worker_id for m in old.members],
             [m.worker_id for m in members],
+            waiting,
         )
         self._cond.notify_all()
 
@@ -177,12 +242,15 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         with self._cond:
             self._cond.notify_all()
 
-    # ---- RPCs -----------------------------------------------------------------------------
+    # ---- RPCs: membership -----------------------------------------------------------------
 
     def Register(self, request, context):
         if not request.worker_id or not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
         with self._cond:
+            if request.membership.version > self._membership.version:
+                self._recover(request)
+            running = self._membership.version > 0 and self._membership.rank_of(request.worker_id) < 0
             existing = self._workers.get(request.worker_id)
             if existing is not None and existing.alive:
                 if existing.address != request.address:
@@ -200,10 +268,34 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                     request.worker_id, request.address, join_order, self._clock()
                 )
                 logger.info("worker %s registered from %s (join #%d)", request.worker_id, request.address, join_order)
-                self._publish_if_changed(f"{request.worker_id} joined")
+                if self._membership.version > 0 and self._ready(self._membership):
+                    logger.info("worker %s joins the running job at its next commit", request.worker_id)
+                self._publish_if_changed(f"{request.worker_id} joined", admit=False)
         return coordinator_pb2.RegisterResponse(
-            join_order=join_order, heartbeat_interval_s=self.params.heartbeat_interval_s
+            join_order=join_order, heartbeat_interval_s=self.params.heartbeat_interval_s, joins_running_job=running
         )
+
+    def _recover(self, request) -> None:
+        """Adopts the membership and last commit a worker reports (this coordinator restarted)."""
+        membership = Membership.from_proto(request.membership)
+        logger.warning(
+            "worker %s reports membership version %d (this coordinator is at %d): "
+            "adopting it and its last commit #%d (coordinator restart)",
+            request.worker_id,
+            membership.version,
+            self._membership.version,
+            request.last_commit.commit_id,
+        )
+        now = self._clock()
+        for member in membership.members:
+            if member.worker_id not in self._workers or not self._workers[member.worker_id].alive:
+                self._joins += 1
+                self._workers[member.worker_id] = _Worker(member.worker_id, member.address, self._joins, now)
+        self._membership = membership
+        self._barrier = None
+        if request.last_commit.commit_id > self._last_commit.commit_id:
+            self._last_commit.CopyFrom(request.last_commit)
+        self._cond.notify_all()
 
     def GetMembership(self, request, context):
         wait_s = min(max(request.wait_s, 0.0), MAX_MEMBERSHIP_WAIT_S)
@@ -212,8 +304,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             m = self._membership
             return (
                 self._stop.is_set()
+                or self._finished
                 or not context.is_active()
-                or (m.version > request.after_version and m.rank_of(request.worker_id) >= 0)
+                or (m.version > request.after_version and m.rank_of(request.worker_id) >= 0 and self._ready(m))
             )
 
         def wake():
@@ -233,6 +326,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 registered=len(self._live()),
                 min_workers=self.params.min_workers,
                 max_workers=self.params.max_workers,
+                last_commit=self._last_commit,
+                job_finished=self._finished,
             )
 
     def _touch(self, worker_id: str) -> bool:
@@ -251,8 +346,138 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def Leave(self, request, context):
         with self._cond:
             worker = self._workers.get(request.worker_id)
+            if request.finished and not self._finished:
+                self._finished = True
+                logger.info("worker %s finished the job: workers waiting to join are released", request.worker_id)
+                self._cond.notify_all()
             if worker is not None and worker.alive:
                 worker.alive = False
                 logger.info("worker %s left: %s", request.worker_id, request.reason or "no reason given")
-                self._publish_if_changed(f"{request.worker_id} left")
+                if not self._finished:
+                    self._publish_if_changed(f"{request.worker_id} left")
             return coordinator_pb2.LeaveResponse(membership_version=self._membership.version)
+
+    # ---- RPCs: failures -------------------------------------------------------------------
+
+    def _probe(self, address: str) -> bool:
+        """Whether the worker at ``address`` answers a gRPC health check quickly."""
+        channel = open_channel(address, self._options)
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S
+            )
+            return response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    def ReportFailure(self, request, context):
+        with self._cond:
+            if request.membership_version != self._membership.version:
+                return coordinator_pb2.FailureReportResponse(membership_version=self._membership.version)
+            suspects = [self._workers[s] for s in request.suspects if s in self._workers]
+        unreachable = [w for w in suspects if not self._probe(w.address)]
+        with self._cond:
+            if request.membership_version == self._membership.version:
+                for w in unreachable:
+                    if w.alive:
+                        w.alive = False
+                        logger.warning("worker %s (%s) does not answer: declared dead", w.worker_id, w.address)
+                gone = ", ".join(w.worker_id for w in unreachable)
+                reason = f"{request.worker_id} reported: {request.reason}" + (f"; {gone} unreachable" if gone else "")
+                self._publish_if_changed(reason, force=True)
+            return coordinator_pb2.FailureReportResponse(membership_version=self._membership.version)
+
+    # ---- RPCs: commits --------------------------------------------------------------------
+
+    def Commit(self, request, context):
+        with self._cond:
+            response = self._enter_commit(request)
+            if response is not None:
+                return response
+            if self._is_recorded(request):  # this was the last member to arrive
+                return self._commit_response(True, "recorded")
+            barrier = self._barrier
+
+            def settled():
+                return (
+                    self._stop.is_set()
+                    or not context.is_active()
+                    or self._barrier is not barrier
+                    or bool(barrier.error)
+                    or self._is_recorded(request)
+                )
+
+            self._cond.wait_for(settled, timeout=MAX_MEMBERSHIP_WAIT_S)
+            if self._is_recorded(request):
+                return self._commit_response(True, "recorded")
+            if barrier.error:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, barrier.error)
+            if self._membership.version != request.membership_version:
+                return self._commit_response(False, self._membership.reason)
+            missing = [m.worker_id for m in self._membership.members if m.worker_id not in barrier.arrived]
+            return self._commit_response(False, f"still waiting for {missing}")
+
+    def _is_recorded(self, request) -> bool:
+        last = self._last_commit
+        return last.commit_id == request.commit_id and last.membership_version == request.membership_version
+
+    def _commit_response(self, recorded: bool, reason: str) -> coordinator_pb2.CommitResponse:
+        return coordinator_pb2.CommitResponse(
+            recorded=recorded, membership_version=self._membership.version, reason=reason
+        )
+
+    def _enter_commit(self, request) -> Optional[coordinator_pb2.CommitResponse]:
+        """Adds ``request`` to the barrier (lock held); returns a response when there is no need to wait."""
+        self._touch(request.worker_id)
+        if self._is_recorded(request):
+            return self._commit_response(True, "recorded")
+        m = self._membership
+        if request.membership_version != m.version or m.rank_of(request.worker_id) < 0:
+            return self._commit_response(False, f"membership changed to version {m.version} ({m.reason})")
+        barrier = self._barrier
+        if barrier is None or barrier.commit_id != request.commit_id:
+            if barrier is not None and barrier.arrived:
+                barrier.error = (
+                    f"{request.worker_id} commits #{request.commit_id} while "
+                    f"{sorted(barrier.arrived)} commit #{barrier.commit_id}: every worker must commit at the same steps"
+                )
+                self._cond.notify_all()
+                return None
+            barrier = self._barrier = _Barrier(m.version, request.commit_id, request.position)
+        if request.position != barrier.position:
+            barrier.error = (
+                f"{request.worker_id} commits #{request.commit_id} at data position "
+                f"{_position_text(request.position)} but {sorted(barrier.arrived)} at "
+                f"{_position_text(barrier.position)}: the workers disagree on the data consumed"
+            )
+            self._cond.notify_all()
+            return None
+        barrier.arrived[request.worker_id] = request.leaving
+        if all(member.worker_id in barrier.arrived for member in m.members):
+            self._record(barrier)
+        return None
+
+    def _record(self, barrier: _Barrier) -> None:
+        self._last_commit = coordinator_pb2.CommitRecord(
+            commit_id=barrier.commit_id, membership_version=barrier.version, position=barrier.position
+        )
+        leaving = [worker_id for worker_id, leaves in barrier.arrived.items() if leaves]
+        for worker_id in leaving:
+            self._workers[worker_id].alive = False
+        self._barrier = None
+        reason = f"{', '.join(leaving)} left gracefully at commit #{barrier.commit_id}" if leaving else ""
+        self._publish_if_changed(reason or f"workers joined at commit #{barrier.commit_id}", admit=True)
+        self._cond.notify_all()
+
+    # ---- RPCs: data -----------------------------------------------------------------------
+
+    def GetShards(self, request, context):
+        s = request.spec
+        try:
+            spec = DatasetSpec(s.num_records, s.shard_size, s.seed, s.shuffle)
+            starts, ends = self.shards.get(spec, request.epoch)
+        except ConfigError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return coordinator_pb2.GetShardsResponse(starts=starts.tolist(), ends=ends.tolist())

@@ -6,6 +6,14 @@ is prefixed with ``[worker i]``; SIGINT and SIGTERM are forwarded to all
 workers. It exits 0 when every worker does; otherwise it says which worker
 failed first, with its exit code and the last lines of its stderr, stops the
 others and exits 1.
+
+An elastic job (``--min-workers`` below ``--workers``, ``--max-restarts``, or
+more workers than ``--max-workers``, the extra ones waiting as standbys) is
+not stopped by a failed worker: the others carry on, a failed worker is
+started again under a new worker id while restarts remain, and the job
+succeeds when the workers still in it finish. A coordinator that dies is
+started again on the same port; the workers re-register and it recovers the
+job's state from them.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ class LaunchConfig:
     rendezvous_timeout_s: float = 120.0
     heartbeat_timeout_s: float = 10.0
     failure_grace_s: float = 5.0
+    max_restarts: int = 0
     tls: Optional[TLSConfig] = None
 
     def __post_init__(self) -> None:
@@ -60,8 +69,10 @@ class LaunchConfig:
             raise ConfigError(f"--workers={self.workers} must be at least 1")
         if not 1 <= self.min_workers <= self.workers:
             raise ConfigError(f"--min-workers={self.min_workers} must be between 1 and --workers={self.workers}")
-        if self.max_workers < self.workers:
-            raise ConfigError(f"--max-workers={self.max_workers} must be at least --workers={self.workers}")
+        if self.max_workers < self.min_workers:
+            raise ConfigError(f"--max-workers={self.max_workers} must be at least --min-workers={self.min_workers}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts={self.max_restarts} must not be negative")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port={self.port} is not a port number")
         for name in ("rendezvous_timeout_s", "heartbeat_timeout_s"):
@@ -71,6 +82,15 @@ class LaunchConfig:
             raise ConfigError(f"--timeout={self.timeout_s} must be positive")
         if self.port:
             check_port_free(self.host, self.port)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job survives the loss of a worker."""
+        return (
+            self.min_workers < min(self.workers, self.max_workers)
+            or self.max_restarts > 0
+            or (self.workers > self.max_workers)
+        )
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -156,6 +176,11 @@ class LocalLauncher:
         self._coordinator: Optional[_Process] = None
         self._workers: List[_Process] = []
         self._stop_signal: Optional[int] = None
+        self._coordinator_port = 0
+        self._coordinator_address = ""
+        self._next_index = 0
+        self._restarts = 0
+        self._handled: set = set()  # failed workers already relaunched or accepted
 
     def _say(self, message: str) -> None:
         with self._lock:
@@ -170,14 +195,14 @@ class LocalLauncher:
             env.update(self.config.tls.to_env())
         return env
 
-    def _start_coordinator(self) -> str:
+    def _start_coordinator(self, port: Optional[int] = None) -> str:
         c = self.config
         with tempfile.TemporaryDirectory(prefix="edl-launcher-") as tmp:
             port_file = os.path.join(tmp, "port")
             argv = [
                 sys.executable, "-m", "elasticdl_strategy", "coordinator",
-                "--bind", c.host, "--port", str(c.port), "--port-file", port_file,
-                "--workers", str(c.workers), "--min-workers", str(c.min_workers),
+                "--bind", c.host, "--port", str(c.port if port is None else port), "--port-file", port_file,
+                "--workers", str(min(c.workers, c.max_workers)), "--min-workers", str(c.min_workers),
                 "--max-workers", str(c.max_workers), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
                 "--heartbeat-interval", str(min(1.0, c.heartbeat_timeout_s / 4)),
             ]  # fmt: skip
@@ -195,8 +220,8 @@ class LocalLauncher:
                     raise ConfigError(f"the coordinator did not start within {_COORDINATOR_START_TIMEOUT_S:g}s")
                 time.sleep(0.05)
             with open(port_file) as f:
-                port = int(f.read())
-        return f"{c.host}:{port}"
+                self._coordinator_port = int(f.read())
+        return f"{c.host}:{self._coordinator_port}"
 
     def _worker_env(self, index: int, coordinator: str) -> Dict[str, str]:
         env = self._base_env()
@@ -221,18 +246,9 @@ class LocalLauncher:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            coordinator = self._start_coordinator()
-            for i in range(self.config.workers):
-                self._workers.append(
-                    _Process(
-                        f"worker {i}",
-                        self.config.command,
-                        self._worker_env(i, coordinator),
-                        self._out,
-                        self._err,
-                        self._lock,
-                    )
-                )
+            self._coordinator_address = self._start_coordinator()
+            for _ in range(self.config.workers):
+                self._start_worker()
             return self._supervise()
         except ConfigError as e:
             self._say(f"error: {e}")
@@ -242,36 +258,96 @@ class LocalLauncher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _start_worker(self) -> _Process:
+        index = self._next_index
+        self._next_index += 1
+        worker = _Process(
+            f"worker {index}",
+            self.config.command,
+            self._worker_env(index, self._coordinator_address),
+            self._out,
+            self._err,
+            self._lock,
+        )
+        self._workers.append(worker)
+        return worker
+
+    def _describe_exit(self, process: _Process) -> str:
+        code = process.popen.returncode
+        return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def _handle_elastic_failures(self) -> None:
+        """Relaunches failed workers while restarts remain; the job carries on either way."""
+        for failed in self._failures():
+            if id(failed) in self._handled:
+                continue
+            self._handled.add(id(failed))
+            if self._stop_signal is not None:
+                continue
+            if self._restarts < self.config.max_restarts:
+                self._restarts += 1
+                replacement = self._start_worker()
+                self._say(
+                    f"{failed.name} {self._describe_exit(failed)}; started {replacement.name} in its place "
+                    f"(restart {self._restarts} of {self.config.max_restarts})"
+                )
+            else:
+                self._say(f"{failed.name} {self._describe_exit(failed)}; the other workers carry on without it")
+
+    def _restart_coordinator(self) -> bool:
+        code = self._coordinator.popen.returncode
+        if not self.config.elastic or self._stop_signal is not None:
+            self._say(f"the coordinator exited with code {code}")
+            return False
+        self._say(f"the coordinator exited with code {code}; starting it again on port {self._coordinator_port}")
+        try:
+            self._start_coordinator(port=self._coordinator_port)
+        except ConfigError as e:
+            self._say(f"the coordinator could not be started again: {e}")
+            return False
+        return True
+
     def _failures(self) -> List[_Process]:
         failed = [w for w in self._workers if w.exited.is_set() and w.popen.returncode != 0]
         return sorted(failed, key=lambda w: w.exited_at)
 
     def _supervise(self) -> int:
         while True:
+            if self.config.elastic:
+                self._handle_elastic_failures()
             running = [w for w in self._workers if not w.exited.is_set()]
             failures = self._failures()
             if not running:
                 break
-            if failures and time.monotonic() - failures[0].exited_at > self.config.failure_grace_s:
+            if (
+                not self.config.elastic
+                and failures
+                and time.monotonic() - failures[0].exited_at > self.config.failure_grace_s
+            ):
                 break
             if self._coordinator is not None and self._coordinator.popen.poll() is not None:
-                self._say(f"the coordinator exited with code {self._coordinator.popen.returncode}")
-                return 1
+                if not self._restart_coordinator():
+                    return 1
             time.sleep(0.05)
         failures = self._failures()
+        if self.config.elastic and any(w.popen.returncode == 0 for w in self._workers):
+            # The job finished: workers it lost on the way were reported when they failed.
+            failures = [w for w in failures if w.exited_at > self._last_success_at()]
         if not failures:
             if self._stop_signal is not None:
                 return 128 + self._stop_signal
             return 0
         first_failure = failures[0]
         first_failure.flush_output()
-        code = first_failure.popen.returncode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        how = self._describe_exit(first_failure)
         tail = "\n".join("    " + line for line in first_failure.stderr_tail) or "    (no stderr output)"
         self._say(f"{first_failure.name} {how}; last lines of its stderr:\n{tail}")
         if len(failures) > 1:
             self._say(f"after it, also failed: {', '.join(w.name for w in failures[1:])}")
         return 1
+
+    def _last_success_at(self) -> float:
+        return max(w.exited_at for w in self._workers if w.popen.returncode == 0)
 
     def _stop_all(self) -> None:
         processes = self._workers + ([self._coordinator] if self._coordinator else [])

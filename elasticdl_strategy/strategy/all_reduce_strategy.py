@@ -7,7 +7,9 @@ other cross-replica reductions go through the gRPC ring of
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 from typing import Iterable, Optional
 
 import numpy as np
@@ -117,7 +119,7 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
     ``strategy.broadcast_variables`` after the first step.
     """
     communicator = collective.communicator()
-    if communicator.size == 1:
+    if communicator.size == 1 or not _broadcast_at_creation():
         return
     created_in_function = tf.inside_function()
     with tf.init_scope():
@@ -133,6 +135,27 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
             )
         if not created_in_function:
             variable.assign(communicator.broadcast(variable.numpy(), root=root))
+
+
+_creation_broadcast_suspended = threading.local()
+
+
+def _broadcast_at_creation() -> bool:
+    """False on a worker that joined a running job (its state arrives by ``elastic`` sync
+    while the others are not creating variables), and inside :func:`no_broadcast_at_creation`."""
+    if getattr(_creation_broadcast_suspended, "depth", 0):
+        return False
+    return not collective.current_worker().joined_running_job
+
+
+@contextlib.contextmanager
+def no_broadcast_at_creation():
+    """Creates variables without the creation-time broadcast (the caller syncs them itself)."""
+    _creation_broadcast_suspended.depth = getattr(_creation_broadcast_suspended, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _creation_broadcast_suspended.depth -= 1
 
 
 def _as_reduce_op(reduce_op) -> reduce_util.ReduceOp:
@@ -159,8 +182,15 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         self._sparse_as_dense = sparse_as_dense
         self._device = device_util.resolve("/cpu:0")
         self._input_device = device_util.get_host_for_device(self._device)
-        self._rank = collective.rank()
-        self._size = collective.size()
+
+    # Rank and size follow the current membership: they change when an elastic job re-forms.
+    @property
+    def _rank(self) -> int:
+        return collective.rank()
+
+    @property
+    def _size(self) -> int:
+        return collective.size()
 
     # ---- placement and variables ----------------------------------------------------------
 
@@ -189,8 +219,13 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
     # ---- input ----------------------------------------------------------------------------
 
     def _shard_global_batches(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """Each worker keeps its rows of every global batch, split like ``np.array_split``."""
-        if self._size == 1:
+        """Each worker keeps its rows of every global batch, split like ``np.array_split``.
+
+        A dataset whose options turn auto-sharding off (as :mod:`elasticdl_strategy.data`
+        datasets do) already holds this worker's batches and is left whole.
+        """
+        off = tf.data.experimental.AutoShardPolicy.OFF
+        if self._size == 1 or dataset.options().experimental_distribute.auto_shard_policy == off:
             return dataset
         rank, size = self._rank, self._size
 

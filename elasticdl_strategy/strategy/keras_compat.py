@@ -12,6 +12,11 @@
   step (Keras does it for MultiWorkerMirroredStrategy only); each worker's
   running means cover equal shares of every batch, so their mean is the
   global value. Epoch logs come from the sync-on-read metric variables.
+- Epoch length: for a dataset of unknown length Keras learns the number of
+  steps from the first epoch and stops later epochs there. Under an
+  AllReduceStrategy epochs legitimately differ in length (an elastic job
+  resumes mid-epoch, or continues with a different number of workers), so
+  every epoch runs until its dataset ends.
 - ``Model.save`` / ``save_weights`` (and so ``ModelCheckpoint``): written by
   rank 0 only, unless the strategy was made with ``save_on_all_ranks=True``;
   the other workers return without writing.
@@ -27,6 +32,7 @@ Other reductions, other strategies and models outside an AllReduceStrategy are l
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -75,6 +81,9 @@ def install(strategy_class: type) -> bool:
     TFOptimizer._all_reduce_sum_gradients = _checked_gradient_reduction(
         TFOptimizer._all_reduce_sum_gradients, strategy_class
     )
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    EpochIterator.catch_stop_iteration = _epochs_of_any_length(EpochIterator.catch_stop_iteration, strategy_class)
     _installed = True
     return True
 
@@ -102,6 +111,20 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
                     "Call it inside strategy.run(step_fn, ...), and build the model under strategy.scope()"
                 )
         return reduce_gradients(optimizer, grads_and_vars)
+
+    return wrapper
+
+
+def _epochs_of_any_length(catch_stop_iteration, strategy_class: type):
+    """Keeps Keras from fixing the epoch length after the first epoch of an AllReduceStrategy fit."""
+
+    @contextlib.contextmanager
+    def wrapper(iterator):
+        with catch_stop_iteration(iterator):
+            yield
+        strategy = getattr(iterator, "_distribute_strategy", None)
+        if isinstance(strategy, strategy_class) and iterator.steps_per_epoch is None:
+            iterator._num_batches = iterator.data_adapter.num_batches  # None unless the length is known
 
     return wrapper
 

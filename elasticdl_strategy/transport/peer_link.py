@@ -122,7 +122,7 @@ class OutboundStream:
             self._cond.notify_all()
         try:
             self._call.result(timeout=timeout)
-        except (grpc.RpcError, futures.TimeoutError, futures.CancelledError):
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError, futures.TimeoutError):
             self._call.cancel()
 
     def _raise_if_unusable(self) -> None:
@@ -188,7 +188,7 @@ class OutboundStream:
                     f"rank {self._self_rank} could not send to rank {self._peer_rank}: {reason or 'stream closed'}",
                     peer_rank=self._peer_rank,
                     rank=self._self_rank,
-                )
+                ),
             )
         if reason is not None and not self._closing:
             self._on_broken(reason)

@@ -82,14 +82,28 @@ def test_missed_heartbeats_publish_a_new_version_without_the_dead_worker():
     assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="b"), Context()).known
 
 
+def commit(coordinator, worker_id, commit_id, version=None, leaving=False, epoch=0):
+    request = pb.CommitRequest(
+        worker_id=worker_id,
+        membership_version=coordinator.membership.version if version is None else version,
+        commit_id=commit_id,
+        position=pb.DataPosition(epoch=epoch),
+        leaving=leaving,
+    )
+    return coordinator.Commit(request, Context())
+
+
 def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():
     c = Coordinator(CoordinatorParams(1, 3, 2), clock=FakeClock())
     register(c, "a")
     register(c, "b")
     c.Leave(pb.LeaveRequest(worker_id="a", reason="done"), Context())
     assert c.membership.version == 2 and members(c) == ["b"]
-    register(c, "a")
-    assert c.membership.version == 3 and members(c) == ["b", "a"]
+    response = register(c, "a")
+    # b is training: a waits for b's next commit, so that both switch at the same step.
+    assert response.joins_running_job and c.membership.version == 2
+    assert commit(c, "b", 1).membership_version == 3
+    assert members(c) == ["b", "a"]
 
 
 def test_extra_workers_beyond_max_wait_as_standbys():

@@ -23,7 +23,8 @@ def cli(*args, timeout=30):
     [
         (["run", "--workers", "0", "--", "true"], "--workers=0"),
         (["run", "--workers", "2", "--min-workers", "3", "--", "true"], "--min-workers=3"),
-        (["run", "--workers", "2", "--max-workers", "1", "--", "true"], "--max-workers=1"),
+        (["run", "--workers", "3", "--min-workers", "2", "--max-workers", "1", "--", "true"], "--max-workers=1"),
+        (["run", "--workers", "2", "--max-restarts", "-1", "--", "true"], "--max-restarts=-1"),
         (["run", "--workers", "2", "--bogus", "--", "true"], "unrecognized arguments: --bogus"),
         (["run", "--workers", "2"], "missing command"),
         (["run", "--workers", "2", "--", "no-such-command-xyz"], "command not found"),

@@ -1,0 +1,145 @@
+"""``ElasticRecords``: the record indices a worker trains on, exactly once per epoch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterator, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from elasticdl_strategy import collective
+from elasticdl_strategy.coordinator.shards import DatasetSpec
+from elasticdl_strategy.data.plan import EpochStream, next_cursor, rank_share, step_bounds
+from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.protos import coordinator_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where training stands in the data; the same on every worker at a commit."""
+
+    epoch: int = 0
+    batch: int = 0  # steps taken in this epoch
+    cursor: int = 0  # records of this epoch consumed (by all workers together)
+
+    def to_proto(self) -> coordinator_pb2.DataPosition:
+        return coordinator_pb2.DataPosition(epoch=self.epoch, batch=self.batch, cursor=self.cursor)
+
+
+class ElasticRecords:
+    """Record indices ``0 .. num_records-1`` for this worker, each used once per epoch by the job.
+
+    The coordinator cuts the records into shards (index ranges of
+    ``shard_size``) and hands out their order, reshuffled every epoch with
+    ``seed``. Every step the job takes the next ``workers * batch_size``
+    records of that order and each worker its share (see
+    :mod:`elasticdl_strategy.data.plan`), so the position in the data is one
+    cursor that all workers agree on. Put the records in an
+    :class:`elasticdl_strategy.elastic` state: commits record the position,
+    a failure rolls it back with the model, and records consumed after the last
+    commit (a dead worker's too) are taken again by the survivors.
+
+    Global batch policy: the batch per worker is fixed, so the global batch
+    is ``workers * batch_size`` and changes with the number of workers (as in
+    Horovod). Rescale the learning rate in a reset callback if it should
+    follow the global batch (see ``elastic.State.register_reset_callbacks``).
+
+    Example::
+
+        records = ElasticRecords(num_records=len(x), batch_size=32, seed=7)
+        state = elastic.KerasState(model, records=records)
+
+        @elastic.run
+        def train(state):
+            dataset = records.dataset().map(lambda i: (tf.gather(x, i), tf.gather(y, i)))
+            model.fit(dataset, epochs=5, initial_epoch=records.epoch, callbacks=state.callbacks())
+
+    ``dataset()`` yields one batch of indices per step, starting at the
+    current position; map it to features, don't re-batch or shuffle it.
+    Tell the records that a step used its batch with :meth:`advance` (the
+    callbacks of ``KerasState`` do it for ``fit``).
+    """
+
+    def __init__(
+        self,
+        num_records: int,
+        batch_size: int,
+        shard_size: Optional[int] = None,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        if batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size} must be at least 1")
+        if shard_size is None:
+            shard_size = max(1, min(num_records, 4 * batch_size))
+        self.spec = DatasetSpec(num_records, shard_size, seed, shuffle)
+        self.batch_size = batch_size
+        self.position = Position()
+        self._streams: Dict[int, EpochStream] = {}
+
+    # ---- position ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self.position.epoch
+
+    @property
+    def batch(self) -> int:
+        return self.position.batch
+
+    @property
+    def num_records(self) -> int:
+        return self.spec.num_records
+
+    def advance(self) -> None:
+        """Records that the step at the current position was taken (its records are in the model)."""
+        p = self.position
+        cursor = next_cursor(p.cursor, self.num_records, collective.size(), self.batch_size)
+        if cursor >= self.num_records:
+            self.position = Position(p.epoch + 1, 0, 0)
+        else:
+            self.position = Position(p.epoch, p.batch + 1, cursor)
+
+    def steps_left_in_epoch(self) -> int:
+        """Steps from the current position to the end of its epoch, with the current workers."""
+        return sum(1 for _ in step_bounds(self.position.cursor, self.num_records, collective.size(), self.batch_size))
+
+    # ---- indices ----------------------------------------------------------------------------
+
+    def _stream(self, epoch: int) -> EpochStream:
+        if epoch not in self._streams:
+            worker = collective.current_worker()
+            if worker.client is None:
+                starts, ends = self.spec.shards(epoch)
+            else:
+                s = self.spec
+                proto = coordinator_pb2.DatasetSpec(
+                    num_records=s.num_records, shard_size=s.shard_size, seed=s.seed, shuffle=s.shuffle
+                )
+                starts, ends = worker.client.get_shards(proto, epoch)
+            self._streams = {e: v for e, v in self._streams.items() if e >= epoch - 1}
+            self._streams[epoch] = EpochStream(starts, ends)
+        return self._streams[epoch]
+
+    def batches(self) -> Iterator[np.ndarray]:
+        """This worker's index batches from the current position to the end of its epoch."""
+        p = self.position
+        stream = self._stream(p.epoch)
+        rank, size = collective.rank(), collective.size()
+        for start, end in step_bounds(p.cursor, self.num_records, size, self.batch_size):
+            yield stream.indices(*rank_share(start, end, rank, size))
+
+    def dataset(self) -> tf.data.Dataset:
+        """A ``tf.data.Dataset`` of int64 index vectors, one per step, from the current position.
+
+        Each iteration (``fit`` starts one per epoch) begins where the
+        position is at that moment and ends with its epoch. Auto-sharding is
+        off: the batches are this worker's already.
+        """
+        dataset = tf.data.Dataset.from_generator(
+            self.batches, output_signature=tf.TensorSpec(shape=[None], dtype=tf.int64)
+        )
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return dataset.with_options(options)

@@ -1,0 +1,109 @@
+"""Durable checkpoints of an elastic state, written atomically by one worker.
+
+Layout of ``directory``::
+
+    commit-00000040/state.index, state.data-*   tf.train.Checkpoint of the state's variables
+    commit-00000040/meta.pickle                  commit id, data position, Python values
+    latest                                        name of the newest complete checkpoint
+
+A checkpoint is written into a temporary directory which is then renamed,
+and ``latest`` is replaced atomically after that, so a crash at any moment
+leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from elasticdl_strategy.errors import ConfigError
+
+if TYPE_CHECKING:
+    from elasticdl_strategy.elastic.state import State, _Snapshot
+
+_LATEST = "latest"
+
+
+class CheckpointStore:
+    """Saves and loads the checkpoints of one job in ``directory`` (keeps the newest ``keep``)."""
+
+    def __init__(self, directory: str, keep: int = 2):
+        if keep < 1:
+            raise ConfigError(f"keep={keep} must be at least 1")
+        self.directory = directory
+        self.keep = keep
+
+    def save(self, state: "State", snapshot: "_Snapshot") -> str:
+        """Writes ``snapshot`` (the state's variables hold its values) and returns its directory."""
+        os.makedirs(self.directory, exist_ok=True)
+        name = f"commit-{snapshot.commit_id:08d}"
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".tmp-{name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        tf.train.Checkpoint(variables=state.variables()).write(os.path.join(tmp, "state"))
+        meta = {
+            "commit_id": snapshot.commit_id,
+            "position": snapshot.position,
+            "values": snapshot.values,
+            "shapes": [tuple(a.shape) for a in snapshot.arrays],
+        }
+        with open(os.path.join(tmp, "meta.pickle"), "wb") as f:
+            pickle.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        latest_tmp = os.path.join(self.directory, f".{_LATEST}.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(self.directory, _LATEST))
+        self._prune(keep_name=name)
+        return final
+
+    def _prune(self, keep_name: str) -> None:
+        names = sorted(n for n in os.listdir(self.directory) if n.startswith("commit-"))
+        for old in names[: -self.keep]:
+            if old != keep_name:
+                shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+
+    def latest(self) -> Optional[str]:
+        """Directory of the newest complete checkpoint, or ``None``."""
+        try:
+            with open(os.path.join(self.directory, _LATEST)) as f:
+                name = f.read().strip()
+        except FileNotFoundError:
+            return None
+        path = os.path.join(self.directory, name)
+        return path if os.path.isdir(path) else None
+
+    def load(self, state: "State") -> Optional["_Snapshot"]:
+        """Assigns the newest checkpoint to the state's variables; returns its snapshot, or ``None``.
+
+        Raises:
+            ConfigError: the checkpoint does not fit the state (different variables).
+        """
+        from elasticdl_strategy.elastic.state import _Snapshot
+
+        path = self.latest()
+        if path is None:
+            return None
+        with open(os.path.join(path, "meta.pickle"), "rb") as f:
+            meta = pickle.load(f)
+        variables = state.variables()
+        shapes = [tuple(v.shape) for v in variables]
+        if shapes != meta["shapes"]:
+            raise ConfigError(
+                f"checkpoint {path} holds {len(meta['shapes'])} variables of shapes that differ from this "
+                f"state's {len(shapes)}: it belongs to another model"
+            )
+        tf.train.Checkpoint(variables=variables).read(os.path.join(path, "state")).assert_existing_objects_matched()
+        arrays = [np.array(v.numpy(), copy=True) for v in variables]
+        return _Snapshot(arrays, meta["values"], meta["position"], meta["commit_id"])

@@ -1,0 +1,182 @@
+"""``elastic.run``: the training loop that survives failures and membership changes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Iterator, List, Optional, TypeVar
+
+from elasticdl_strategy import collective
+from elasticdl_strategy.elastic.state import State, WorkerLeft
+from elasticdl_strategy.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    MembershipChangedInterrupt,
+    PeerFailureError,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def run(func: Callable[..., T]) -> Callable[..., T]:
+    """Runs ``func(state, ...)`` until it returns, surviving failures and membership changes.
+
+    On entry the state is synced from rank 0, which first loads the newest
+    checkpoint if the state has a checkpoint directory (so a job started again
+    after all workers died resumes from it). When a peer fails, the
+    survivors re-form with the coordinator's next membership, roll back to the
+    last commit, sync, call the reset callbacks and call ``func`` again. When
+    workers join or leave at a commit, everyone re-forms at that commit
+    without rolling back. On SIGTERM this worker finishes its step, commits
+    and leaves (the process exits with code 0) while the others carry on.
+
+    ``func`` is called again from the top after every reset: create
+    iterators and ``tf.function`` s inside it, and resume from the state
+    (``records.dataset()`` does by itself).
+
+    Example::
+
+        @elastic.run
+        def train(state):
+            while state.records.epoch < 3:
+                for indices in state.records.dataset():
+                    strategy.run(step, (indices,))
+                    state.records.advance()
+                    state.commit()
+
+        train(state)
+
+    Raises:
+        RendezvousTimeoutError: fewer than ``--min-workers`` remained for longer than the rendezvous timeout.
+        CollectiveMismatchError: the workers run different code (never retried).
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args, **kwargs) -> T:
+        worker = collective.current_worker()
+        with _leave_on_sigterm(state):
+            first_entry = True
+            recovery_started: Optional[float] = None
+            rolled_back = False
+            while True:
+                try:
+                    if first_entry:
+                        first_entry = False
+                        # Rank 0 is a fresh process only when no member of a previous membership
+                        # survives (a new job, or one started again after all workers died).
+                        if worker.communicator.rank == 0:
+                            state.load_checkpoint()
+                    state.sync()
+                    if recovery_started is not None:
+                        state.on_reset()
+                        logger.warning(
+                            "worker %s: training continues as rank %d of %d at commit #%d%s, %.2fs after the %s",
+                            worker.worker_id,
+                            worker.communicator.rank,
+                            worker.communicator.size,
+                            state.commit_id,
+                            _where(state),
+                            time.monotonic() - recovery_started,
+                            "failure (rolled back)" if rolled_back else "membership change",
+                        )
+                        recovery_started = None
+                    return func(state, *args, **kwargs)
+                except WorkerLeft:
+                    logger.warning(
+                        "worker %s: left the job gracefully at commit #%d", worker.worker_id, state.commit_id
+                    )
+                    collective.shutdown(finished=False)
+                    sys.exit(0)
+                except MembershipChangedInterrupt as change:
+                    recovery_started = recovery_started or time.monotonic()
+                    rolled_back = False
+                    worker.reform(str(change), failed=False)
+                except Exception as error:  # noqa: BLE001 - classified below, re-raised unless recoverable
+                    failure = _recoverable_failure(error, worker)
+                    if failure is None:
+                        raise
+                    recovery_started = recovery_started or time.monotonic()
+                    rolled_back = True
+                    logger.warning(
+                        "worker %s: %s: re-forming and rolling back to the last commit",
+                        worker.worker_id,
+                        failure,
+                    )
+                    worker.reform(str(failure), failed=True, suspects=_suspects(failure, worker))
+                    state.restore(worker.client.last_commit().commit_id)
+
+    return wrapper
+
+
+def _where(state: State) -> str:
+    if state.records is None:
+        return ""
+    p = state.records.position
+    return f" (epoch {p.epoch}, batch {p.batch}, record {p.cursor})"
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _recoverable_failure(error: BaseException, worker) -> Optional[CommunicationError]:
+    """The communication failure behind ``error`` if re-forming can fix it; ``None`` otherwise.
+
+    Errors raised inside a ``tf.function`` reach us wrapped by TensorFlow, so
+    the communicator's own record of its failure is consulted too.
+    """
+    if worker.client is None:
+        return None
+    for cause in _causes(error):
+        if isinstance(cause, CollectiveMismatchError):
+            return None
+        if isinstance(cause, CommunicationError):
+            return cause
+    failure = worker.communicator.failure
+    if failure is not None and not isinstance(failure, CollectiveMismatchError):
+        return failure
+    return None
+
+
+def _suspects(failure: CommunicationError, worker) -> List[str]:
+    members = worker.membership.members
+    ranks: List[int] = []
+    if isinstance(failure, PeerFailureError) and failure.peer_rank is not None:
+        ranks = [failure.peer_rank]
+    elif isinstance(failure, CollectiveTimeoutError):
+        ranks = list(failure.waiting_for)
+    return [members[r].worker_id for r in ranks if 0 <= r < len(members)]
+
+
+class _leave_on_sigterm:
+    """While training, SIGTERM asks for a graceful leave at the next commit instead of killing."""
+
+    def __init__(self, state: State):
+        self.state = state
+        self.previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if not self.state.leave_requested:
+            logger.warning("SIGTERM: this worker leaves the job at its next commit")
+        self.state.leave_requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False

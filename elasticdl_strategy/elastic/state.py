@@ -1,0 +1,333 @@
+"""Elastic state: what is committed, rolled back and synced when the membership changes.
+
+A state holds variables (TensorFlow or Keras), plain Python values and, if
+given, the :class:`~elasticdl_strategy.data.ElasticRecords` position.
+
+* :meth:`State.commit` snapshots it in memory and records the commit with the
+  coordinator, atomically across the workers: the commit counts only once
+  every member sent it (with the same data position).
+* :meth:`State.restore` rolls back to the last commit the job recorded.
+* :meth:`State.sync` copies rank 0's state (the oldest member) to everyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import pickle
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from elasticdl_strategy import collective
+from elasticdl_strategy.data.records import ElasticRecords, Position
+from elasticdl_strategy.elastic.checkpoint import CheckpointStore
+from elasticdl_strategy.errors import CollectiveMismatchError, CommitAbortedError, ConfigError
+from elasticdl_strategy.errors import MembershipChangedInterrupt
+from elasticdl_strategy.transport.protos import coordinator_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLeft(Exception):
+    """Internal: this worker's graceful leave was recorded; ``elastic.run`` ends the process."""
+
+
+class _Snapshot:
+    def __init__(self, arrays: List[np.ndarray], values: Dict[str, Any], position: Position, commit_id: int):
+        self.arrays, self.values, self.position, self.commit_id = arrays, values, position, commit_id
+
+
+class State:
+    """Variables and Python values that survive membership changes.
+
+    Python values are attributes: ``State(epoch=0)`` gives ``state.epoch``,
+    committed, restored and synced with the variables.
+
+    Example::
+
+        state = elastic.State(variables=[w, b], records=records, epoch=0)
+
+        @elastic.run
+        def train(state):
+            for indices in records.dataset():
+                strategy.run(step, (indices,))
+                records.advance()
+                if records.batch % 10 == 0:
+                    state.commit()
+
+    Args:
+        variables: ``tf.Variable``/``keras.Variable`` objects, in the same order on every worker.
+        records: the data position to commit with the state.
+        checkpoint_dir: where rank 0 writes durable checkpoints (every
+            ``checkpoint_every`` commits); a job started again after all
+            workers died resumes from the newest one.
+        checkpoint_every: commits between checkpoints.
+        **values: picklable Python values.
+    """
+
+    def __init__(
+        self,
+        variables: Sequence = (),
+        records: Optional[ElasticRecords] = None,
+        checkpoint_dir: Optional[str] = None,
+        checkpoint_every: int = 10,
+        **values: Any,
+    ):
+        if checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every={checkpoint_every} must be at least 1")
+        reserved = {"commit_id", "records", "variables"} & set(values)
+        if reserved:
+            raise ConfigError(f"state value names {sorted(reserved)} are reserved")
+        object.__setattr__(self, "_values", dict(values))
+        self._variables = list(variables)
+        self.records = records
+        self.commit_id = 0
+        self._snapshots: Dict[int, _Snapshot] = {}
+        self._reset_callbacks: List[Callable[[], None]] = []
+        self._checkpoints = CheckpointStore(checkpoint_dir) if checkpoint_dir else None
+        self._checkpoint_every = checkpoint_every
+        self.leave_requested = False
+
+    # Python values as attributes --------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__.get("_values", {}):
+            self._values[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    # What the state holds (subclasses add to it) ----------------------------------------------
+
+    def variables(self) -> List:
+        """The variables committed, restored and synced, in a fixed order."""
+        return list(self._variables)
+
+    def register_reset_callbacks(self, callbacks: Sequence[Callable[[], None]]) -> None:
+        """Functions called after every re-formation, once the state is restored and synced.
+
+        Example: keep the learning rate proportional to the global batch::
+
+            state.register_reset_callbacks([lambda: optimizer.learning_rate.assign(0.01 * collective.size())])
+        """
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    # Snapshots --------------------------------------------------------------------------------
+
+    def _snapshot(self) -> _Snapshot:
+        position = self.records.position if self.records is not None else Position()
+        arrays = [np.array(v.numpy(), copy=True) for v in self.variables()]
+        return _Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
+
+    def _apply(self, snapshot: _Snapshot) -> None:
+        for variable, array in zip(self.variables(), snapshot.arrays, strict=True):
+            variable.assign(array)
+        object.__setattr__(self, "_values", copy.deepcopy(snapshot.values))
+        if self.records is not None:
+            self.records.position = snapshot.position
+        self.commit_id = snapshot.commit_id
+
+    def _keep(self, snapshot: _Snapshot) -> None:
+        """Keeps ``snapshot`` and the one before it (a commit whose outcome is unknown needs both)."""
+        self._snapshots[snapshot.commit_id] = snapshot
+        for old in sorted(self._snapshots)[:-2]:
+            del self._snapshots[old]
+
+    # commit / restore / sync ------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Snapshots the state and records the commit with the coordinator (a barrier of all members).
+
+        Raises:
+            CommitAbortedError: the membership changed before every member
+                committed; ``elastic.run`` rolls back to the previous commit.
+            MembershipChangedInterrupt: the commit was recorded and workers join
+                or leave here; ``elastic.run`` re-forms without rolling back.
+        """
+        worker = collective.current_worker()
+        self.commit_id += 1
+        snapshot = self._snapshot()
+        self._keep(snapshot)
+        client = worker.client
+        if client is None:
+            return
+        version = worker.membership.version
+        response = client.commit(
+            version,
+            self.commit_id,
+            snapshot.position.to_proto(),
+            leaving=self.leave_requested,
+            timeout=worker.communicator.timeout_s,
+            on_unavailable=worker.reregister,
+        )
+        if not response.recorded:
+            raise CommitAbortedError(
+                f"worker {worker.worker_id}: commit #{self.commit_id} not recorded: {response.reason}",
+                membership_version=response.membership_version,
+                rank=worker.communicator.rank,
+            )
+        worker.last_commit = coordinator_pb2.CommitRecord(
+            commit_id=self.commit_id, membership_version=version, position=snapshot.position.to_proto()
+        )
+        if self._checkpoints is not None and worker.communicator.rank == 0:
+            if self.commit_id % self._checkpoint_every == 0:
+                self._checkpoints.save(self, snapshot)
+        if self.leave_requested:
+            raise WorkerLeft()
+        if response.membership_version != version:
+            raise MembershipChangedInterrupt(
+                f"membership changes at commit #{self.commit_id}: {response.reason}",
+                membership_version=response.membership_version,
+            )
+
+    def restore(self, commit_id: int) -> None:
+        """Rolls back to commit ``commit_id`` (the job's last recorded one).
+
+        A worker without that snapshot (it joined later) keeps its state: the
+        sync that follows gives it rank 0's.
+        """
+        snapshot = self._snapshots.get(commit_id)
+        if snapshot is None:
+            logger.warning("no snapshot of commit #%d here; the sync from rank 0 provides the state", commit_id)
+            return
+        self._apply(snapshot)
+
+    def load_checkpoint(self) -> bool:
+        """Loads the newest durable checkpoint, if any; returns whether one was loaded."""
+        if self._checkpoints is None:
+            return False
+        self._prepare_sync()
+        snapshot = self._checkpoints.load(self)
+        if snapshot is None:
+            return False
+        self._apply(snapshot)
+        self._keep(snapshot)
+        logger.warning(
+            "resumed from checkpoint of commit #%d at %s",
+            snapshot.commit_id,
+            _position_text(snapshot.position),
+        )
+        return True
+
+    def sync(self) -> None:
+        """Makes every worker's state rank 0's (variables, values, position, commit id).
+
+        Raises:
+            CollectiveMismatchError: the workers hold different variables (names, shapes or dtypes).
+            CommunicationError: a peer failed during the sync (``elastic.run`` retries).
+        """
+        self._prepare_sync()
+        communicator = collective.communicator()
+        variables = self.variables()
+        if communicator.size > 1:
+            self._check_same_variables(communicator, variables)
+            groups: Dict[np.dtype, List[int]] = {}
+            arrays = [np.asarray(v.numpy()) for v in variables]
+            for i, array in enumerate(arrays):
+                groups.setdefault(array.dtype, []).append(i)
+            for members in groups.values():
+                fused = np.concatenate([arrays[i].reshape(-1) for i in members])
+                fused = communicator.broadcast(fused, root=0)
+                offset = 0
+                for i in members:
+                    size = arrays[i].size
+                    variables[i].assign(fused[offset : offset + size].reshape(arrays[i].shape))
+                    offset += size
+            position = self.records.position if self.records is not None else Position()
+            payload = pickle.dumps((self._values, position, self.commit_id))
+            size = communicator.broadcast(np.array([len(payload)], np.int64), root=0)
+            buffer = np.frombuffer(payload, np.uint8) if communicator.rank == 0 else np.zeros(int(size[0]), np.uint8)
+            values, position, commit_id = pickle.loads(communicator.broadcast(buffer, root=0).tobytes())
+            object.__setattr__(self, "_values", values)
+            if self.records is not None:
+                self.records.position = position
+            self.commit_id = commit_id
+        self._snapshots.clear()
+        self._keep(self._snapshot())
+
+    def _prepare_sync(self) -> None:
+        """Hook: create what must exist before syncing (e.g. optimizer slots)."""
+
+    @staticmethod
+    def _check_same_variables(communicator, variables) -> None:
+        text = "|".join(f"{getattr(v, 'path', None) or v.name}:{tuple(v.shape)}:{v.dtype}" for v in variables)
+        mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)[None, :]
+        digests = communicator.allgather(mine)
+        differing = [r for r in range(communicator.size) if not np.array_equal(digests[r], digests[0])]
+        if differing:
+            raise CollectiveMismatchError(
+                f"rank {communicator.rank}: ranks {differing} hold different state variables than rank 0 "
+                f"({len(variables)} here); every worker must build the same model and state",
+                ranks=differing,
+                rank=communicator.rank,
+            )
+
+
+def _position_text(p: Position) -> str:
+    return f"epoch {p.epoch}, batch {p.batch}, record {p.cursor}"
+
+
+class KerasState(State):
+    """The state of a Keras model: weights, optimizer slots and step counters, plus Python values.
+
+    Example::
+
+        with strategy.scope():
+            model = build_model()
+            model.compile(optimizer="adam", loss="mse")
+        records = data.ElasticRecords(num_records=len(x), batch_size=32)
+        state = elastic.KerasState(model, records=records, checkpoint_dir="/ckpt")
+
+        @elastic.run
+        def train(state):
+            dataset = records.dataset().map(lambda i: (tf.gather(x, i), tf.gather(y, i)))
+            model.fit(dataset, epochs=5, initial_epoch=records.epoch, callbacks=state.callbacks(batches_per_commit=10))
+
+        train(state)
+
+    After a re-formation the model's traced train/test/predict functions are
+    dropped, so that Keras traces them again for the new number of workers.
+    """
+
+    def __init__(self, model, optimizer=None, records: Optional[ElasticRecords] = None, **kwargs: Any):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__(records=records, **kwargs)
+
+    def variables(self) -> List:
+        variables = list(self.model.weights)
+        if self.optimizer is not None:
+            variables += list(self.optimizer.variables)
+        return variables
+
+    def _prepare_sync(self) -> None:
+        if self.optimizer is not None and not self.optimizer.built:
+            from elasticdl_strategy.strategy.all_reduce_strategy import no_broadcast_at_creation
+
+            strategy = getattr(self.model, "_distribute_strategy", None)
+            with no_broadcast_at_creation(), strategy.scope() if strategy is not None else contextlib.nullcontext():
+                self.optimizer.build(self.model.trainable_variables)
+
+    def on_reset(self) -> None:
+        for name in ("train_function", "test_function", "predict_function"):
+            if hasattr(self.model, name):
+                setattr(self.model, name, None)
+        super().on_reset()
+
+    def callbacks(self, batches_per_commit: int = 1) -> List:
+        """The Keras callbacks that keep this state: advance the records, commit every ``batches_per_commit``."""
+        from elasticdl_strategy.elastic.callbacks import CommitStateCallback
+
+        return [CommitStateCallback(self, batches_per_commit)]
