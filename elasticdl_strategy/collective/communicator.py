@@ -330,12 +330,32 @@ class Communicator:
         with self._lock:
             self._current = descriptor
             early = self._early.pop(descriptor.sequence, [])
-        call = ring.CollectiveCall(self.p2p, descriptor, time.monotonic() + timeout)
+        now = time.monotonic()
+        call = ring.CollectiveCall(
+            self.p2p,
+            descriptor,
+            now + timeout,
+            warn_at=now + self.p2p.options.slow_warning_s,
+            on_slow=lambda request: self._log_slow(descriptor, request),
+        )
         self._active = call
         for src, theirs in early:
             self._check(descriptor, src, theirs)
         self._raise_if_aborted()
         return call
+
+    def _log_slow(self, descriptor: peer_pb2.CollectiveDescriptor, request) -> None:
+        waiting = sorted({request.peer} | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
+        ids = self.p2p.worker_ids
+        names = ", ".join(f"{r} ({ids[r]})" if r < len(ids) and ids[r] else str(r) for r in waiting)
+        logger.warning(
+            "rank %d: collective #%d %s has waited %.0fs; still waiting for rank(s) %s",
+            self.rank,
+            descriptor.sequence,
+            _describe(descriptor),
+            self.p2p.options.slow_warning_s,
+            names,
+        )
 
     def _running(self, step: ring.CollectiveCall):
         return _Running(self, step)

@@ -65,6 +65,11 @@ class Request:
         self._default_timeout = default_timeout
         self._rank = rank
 
+    @property
+    def peer(self) -> int:
+        """The rank this request sends to or receives from."""
+        return self._peer
+
     def done(self) -> bool:
         """True once the operation completed or failed; never blocks."""
         return self._future.done()

@@ -11,12 +11,13 @@ all, the bandwidth optimum for all-reduce.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from elasticdl_strategy.collective.mailbox import ArraySink, ReduceSink
 from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint, Request
+from elasticdl_strategy.errors import CollectiveTimeoutError
 from elasticdl_strategy.transport.protos import peer_pb2
 
 Bounds = List[Tuple[int, int]]
@@ -34,13 +35,26 @@ def even_bounds(length: int, parts: int) -> Bounds:
 
 
 class CollectiveCall:
-    """One collective in progress: the descriptor its messages carry, its deadline, its pending sends."""
+    """One collective in progress: the descriptor its messages carry, its deadline, its pending sends.
 
-    def __init__(self, p2p: PointToPoint, descriptor: peer_pb2.CollectiveDescriptor, deadline: float):
+    A wait still blocked at ``warn_at`` calls ``on_slow(request)`` once (to log
+    whom it waits for), then waits on until the deadline.
+    """
+
+    def __init__(
+        self,
+        p2p: PointToPoint,
+        descriptor: peer_pb2.CollectiveDescriptor,
+        deadline: float,
+        warn_at: Optional[float] = None,
+        on_slow: Optional[Callable[[Request], None]] = None,
+    ):
         self.p2p = p2p
         self.descriptor = descriptor
         self.deadline = deadline
         self.sends: List[Request] = []
+        self._warn_at = warn_at if on_slow is not None else None
+        self._on_slow = on_slow
 
     def send(self, array: np.ndarray, dst: int) -> None:
         self.sends.append(self.p2p.isend(array, dst, channel=COLLECTIVE_CHANNEL, collective=self.descriptor))
@@ -55,6 +69,13 @@ class CollectiveCall:
         return self.p2p.irecv(src, channel=COLLECTIVE_CHANNEL, sink=ReduceSink(self.p2p.rank, acc, ufunc))
 
     def wait(self, request: Request):
+        now = time.monotonic()
+        if self._warn_at is not None and now < self._warn_at < self.deadline:
+            try:
+                return request.wait(timeout=self._warn_at - now)
+            except CollectiveTimeoutError:
+                self._warn_at = None
+                self._on_slow(request)
         return request.wait(timeout=max(0.0, self.deadline - time.monotonic()))
 
     def finish_sends(self) -> None:

@@ -160,18 +160,18 @@ class State:
         self.commit_id += 1
         snapshot = self._snapshot()
         self._keep(snapshot)
-        client = worker.client
-        if client is None:
-            return
         version = worker.membership.version
-        response = client.commit(
-            version,
-            self.commit_id,
-            snapshot.position.to_proto(),
-            leaving=self.leave_requested,
-            timeout=worker.communicator.timeout_s,
-            on_unavailable=worker.reregister,
-        )
+        if worker.client is None:  # a single worker: nobody to agree with
+            response = coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
+        else:
+            response = worker.client.commit(
+                version,
+                self.commit_id,
+                snapshot.position.to_proto(),
+                leaving=self.leave_requested,
+                timeout=worker.communicator.timeout_s,
+                on_unavailable=worker.reregister,
+            )
         if not response.recorded:
             raise CommitAbortedError(
                 f"worker {worker.worker_id}: commit #{self.commit_id} not recorded: {response.reason}",

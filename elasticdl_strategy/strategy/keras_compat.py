@@ -12,6 +12,11 @@
   step (Keras does it for MultiWorkerMirroredStrategy only); each worker's
   running means cover equal shares of every batch, so their mean is the
   global value. Epoch logs come from the sync-on-read metric variables.
+- Building before ``fit``/``evaluate``: Keras takes a first batch to build
+  the model and metrics, and for a distributed dataset averages it over the
+  replicas, a collective whose shapes differ when the workers' shares of a
+  batch do (say 86/85/85 rows). Only shapes matter there, so under an
+  AllReduceStrategy each worker builds from its own batch.
 - Epoch length: for a dataset of unknown length Keras learns the number of
   steps from the first epoch and stops later epochs there. Under an
   AllReduceStrategy epochs legitimately differ in length (an elastic job
@@ -83,6 +88,10 @@ def install(strategy_class: type) -> bool:
     )
     from keras.src.trainers.epoch_iterator import EpochIterator
 
+    trainer.TensorFlowTrainer._maybe_symbolic_build = _build_from_local_batch(
+        trainer.TensorFlowTrainer._maybe_symbolic_build, strategy_class
+    )
+
     EpochIterator.catch_stop_iteration = _epochs_of_any_length(EpochIterator.catch_stop_iteration, strategy_class)
     _installed = True
     return True
@@ -115,15 +124,40 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
     return wrapper
 
 
+def _build_from_local_batch(maybe_symbolic_build, strategy_class: type):
+    """Builds from this worker's first batch instead of one averaged over the workers."""
+    import tensorflow as tf
+    from keras.src import tree
+
+    @functools.wraps(maybe_symbolic_build)
+    def wrapper(model, iterator=None, data_batch=None):
+        strategy = model._distribute_strategy
+        if iterator is None or not isinstance(strategy, strategy_class):
+            return maybe_symbolic_build(model, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tree.map_structure(
+                lambda x: x.values[0] if isinstance(x, tf.distribute.DistributedValues) else x, batch
+            )
+            break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    return wrapper
+
+
 def _epochs_of_any_length(catch_stop_iteration, strategy_class: type):
     """Keeps Keras from fixing the epoch length after the first epoch of an AllReduceStrategy fit."""
 
     @contextlib.contextmanager
     def wrapper(iterator):
+        strategy = getattr(iterator, "_distribute_strategy", None)
+        ours = isinstance(strategy, strategy_class) and iterator.steps_per_epoch is None
+        if ours:  # an epoch ending with its data is expected here, not worth a warning
+            iterator._interrupted_warning = lambda: None
         with catch_stop_iteration(iterator):
             yield
-        strategy = getattr(iterator, "_distribute_strategy", None)
-        if isinstance(strategy, strategy_class) and iterator.steps_per_epoch is None:
+        if ours:
             iterator._num_batches = iterator.data_adapter.num_batches  # None unless the length is known
 
     return wrapper

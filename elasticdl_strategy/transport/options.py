@@ -92,6 +92,8 @@ class TransportOptions:
         connect_timeout_s: how long to wait for a peer's server to accept a stream.
         keepalive_s: interval of HTTP/2 keepalive pings; an unanswered ping
             for as long again marks the connection (and the peer) as failed.
+        slow_warning_s: a collective still waiting after this long logs which
+            ranks it waits for (once; it fails at ``timeout_s``).
         tls: TLS files, or ``None`` for plaintext (the job token still applies).
     """
 
@@ -100,6 +102,7 @@ class TransportOptions:
     timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     keepalive_s: float = 2.0
+    slow_warning_s: float = 10.0
     tls: Optional[TLSConfig] = None
 
     def __post_init__(self) -> None:
@@ -113,7 +116,7 @@ class TransportOptions:
             raise ConfigError(
                 f"inline_threshold={self.inline_threshold} must be between 0 and chunk_size={self.chunk_size}"
             )
-        for name in ("timeout_s", "connect_timeout_s", "keepalive_s"):
+        for name in ("timeout_s", "connect_timeout_s", "keepalive_s", "slow_warning_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
@@ -146,13 +149,15 @@ class TransportOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
-        """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE`` and TLS."""
+        """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
+        ``EDL_SLOW_WARNING`` and TLS."""
         kwargs = {"tls": TLSConfig.from_env(env)}
         for var, name, kind in (
             ("EDL_CHUNK_SIZE", "chunk_size", int),
             ("EDL_TIMEOUT", "timeout_s", float),
             ("EDL_CONNECT_TIMEOUT", "connect_timeout_s", float),
             ("EDL_KEEPALIVE", "keepalive_s", float),
+            ("EDL_SLOW_WARNING", "slow_warning_s", float),
         ):
             if env.get(var):
                 try:

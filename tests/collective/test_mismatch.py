@@ -82,3 +82,24 @@ def test_timeout_on_one_rank_aborts_the_others_at_once():
     assert isinstance(results[0], CollectiveTimeoutError)
     assert isinstance(results[2], CollectiveTimeoutError)  # told by rank 0, not its own 20 s deadline
     assert time.monotonic() - start < 10
+
+
+def test_a_collective_waiting_long_logs_whom_it_waits_for_and_then_completes(caplog):
+    from elasticdl_strategy.transport.options import TransportOptions
+
+    options = TransportOptions(timeout_s=20.0, connect_timeout_s=5.0, slow_warning_s=0.3)
+
+    def warned():
+        return any("still waiting for rank(s) 1 (w1)" in r.getMessage() for r in caplog.records)
+
+    def late_rank_one(comm):
+        if comm.rank == 1:
+            deadline = time.monotonic() + 15
+            while not warned() and time.monotonic() < deadline:
+                time.sleep(0.02)  # polling for rank 0's warning
+        return comm.allreduce(np.ones(3, np.float32))
+
+    with caplog.at_level("WARNING"), ThreadCluster(2, options) as cluster:
+        results = cluster.run(late_rank_one)
+    assert warned()
+    assert all(r.tolist() == [2.0, 2.0, 2.0] for r in results)

@@ -167,9 +167,13 @@ def test_clients_rendezvous_over_grpc_and_a_silent_worker_is_dropped(served):
         for t in threads:
             t.join(15)
         assert results[0] == results[1] and results[0].version == 1 and results[0].size == 2
-        clients[0].start_heartbeats(lambda: 1, lambda response: None)  # w1 stays silent
-        newer = clients[0].wait_for_membership(1, timeout=10)
-        assert [m.worker_id for m in newer.members] == ["w0"]
+        versions = []
+        clients[0].start_heartbeats(lambda: 1, lambda response: versions.append(response.membership_version))
+        # w1 stays silent: dropped in version 2. Below min_workers=2, w0 is told to keep waiting.
+        with pytest.raises(RendezvousTimeoutError, match="1 worker\\(s\\) registered, at least 2 needed"):
+            clients[0].wait_for_membership(1, timeout=2)
+        assert 2 in versions
+        assert [m.worker_id for m in server.coordinator.membership.members] == ["w0"]
     finally:
         for c in clients:
             c.close()
@@ -196,3 +200,125 @@ def test_unreachable_coordinator_is_a_rendezvous_error():
             client.register("127.0.0.1:2", timeout=1.0)
     finally:
         client.close()
+
+
+# ---- commits, failures, data, recovery ----------------------------------------------------------
+
+
+def in_thread(fn, *args, **kwargs):
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_commit_is_recorded_only_when_every_member_sent_it():
+    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    register(c, "a")
+    register(c, "b")
+    thread, result = in_thread(commit, c, "a", 1)
+    assert c.last_commit.commit_id == 0  # b has not committed: nothing is recorded
+    response = commit(c, "b", 1)
+    thread.join(timeout=10)
+    assert response.recorded and result["value"].recorded
+    assert c.last_commit.commit_id == 1 and c.last_commit.membership_version == 1
+    assert commit(c, "a", 1).recorded  # a retry of a recorded commit says so
+
+
+def test_commits_at_different_data_positions_are_refused_on_every_member():
+    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    register(c, "a")
+    register(c, "b")
+    thread, result = in_thread(lambda: pytest.raises(grpc.RpcError, commit, c, "a", 1, epoch=0))
+    with pytest.raises(grpc.RpcError, match=r"disagree on the data consumed"):
+        commit(c, "b", 1, epoch=1)
+    thread.join(timeout=10)
+    assert "disagree" in str(result["value"].value)
+    assert c.last_commit.commit_id == 0
+
+
+def test_a_member_dying_during_a_commit_aborts_it_for_the_others():
+    clock = FakeClock()
+    c = Coordinator(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    register(c, "a")
+    register(c, "b")
+    thread, result = in_thread(commit, c, "a", 1)
+    clock.now += 6
+    c._touch("a")
+    c.reap()  # b is silent: declared dead, version 2
+    thread.join(timeout=10)
+    assert not result["value"].recorded and result["value"].membership_version == 2
+    assert c.last_commit.commit_id == 0 and members(c) == ["a"]
+
+
+def test_a_worker_leaving_at_a_commit_is_removed_when_it_is_recorded():
+    c = Coordinator(CoordinatorParams(1, 3, 3), clock=FakeClock())
+    for wid in "abc":
+        register(c, wid)
+    threads = [in_thread(commit, c, wid, 4, leaving=wid == "b") for wid in "ac"]
+    response = commit(c, "b", 4, leaving=True)
+    for thread, _ in threads:
+        thread.join(timeout=10)
+    assert response.recorded and all(result["value"].recorded for _, result in threads)
+    assert all(result["value"].membership_version == 2 for _, result in threads)
+    assert members(c) == ["a", "c"] and "left gracefully" in c.membership.reason
+
+
+def test_a_reported_peer_that_does_not_answer_is_removed():
+    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    with socket_port() as port:
+        register(c, "a")
+        register(c, "b", f"127.0.0.1:{port}")  # nothing serves there
+        c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["b"], reason="x"), Context())
+    assert members(c) == ["a"] and c.membership.version == 2
+    # A report about an old membership changes nothing.
+    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["a"], reason="x"), Context())
+    assert c.membership.version == 2
+
+
+def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
+    c = Coordinator(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    spec = pb.DatasetSpec(num_records=100, shard_size=10, seed=1, shuffle=True)
+    first = c.GetShards(pb.GetShardsRequest(worker_id="a", spec=spec, epoch=0), Context())
+    again = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=0), Context())
+    other = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=1), Context())
+    assert list(first.starts) == list(again.starts) and list(first.starts) != list(other.starts)
+    assert sorted(first.starts) == list(range(0, 100, 10))
+    different = pb.DatasetSpec(num_records=99, shard_size=10, seed=1, shuffle=True)
+    with pytest.raises(grpc.RpcError, match="differs from the job's"):
+        c.GetShards(pb.GetShardsRequest(worker_id="c", spec=different, epoch=0), Context())
+
+
+def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report():
+    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    known = pb.Membership(version=7, members=[pb.Member(worker_id=w, address=f"h:{w}") for w in "ab"])
+    last = pb.CommitRecord(commit_id=12, membership_version=7, position=pb.DataPosition(epoch=1, cursor=40))
+    request = pb.RegisterRequest(worker_id="b", address="h:b", membership=known, last_commit=last)
+    response = c.Register(request, Context())
+    assert not response.joins_running_job
+    assert c.membership.version == 7 and members(c) == ["a", "b"]
+    assert c.last_commit.commit_id == 12 and c.last_commit.position.cursor == 40
+    assert commit(c, "a", 12, version=7).recorded  # a member whose reply was lost learns it
+
+
+def test_a_finished_job_releases_standbys():
+    c = Coordinator(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    register(c, "a")
+    register(c, "standby")
+    c.Leave(pb.LeaveRequest(worker_id="a", reason="finished", finished=True), Context())
+    response = c.GetMembership(pb.GetMembershipRequest(worker_id="standby", after_version=0, wait_s=5), Context())
+    assert response.job_finished and members(c) == ["a"]
+
+
+class socket_port:
+    """A local port that nothing listens on, for as long as the context lasts."""
+
+    def __enter__(self):
+        import socket
+
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        return self._socket.getsockname()[1]
+
+    def __exit__(self, *exc):
+        self._socket.close()

@@ -115,6 +115,17 @@ def test_strategy_examples_reach_their_target_accuracy_on_two_workers(example, e
 
 
 @pytest.mark.slow
+def test_elastic_example_reaches_its_target_accuracy(tmp_path):
+    path = os.path.join(REPO_ROOT, "examples", "elastic_keras.py")
+    command = [sys.executable, path, "--epochs", "3", "--samples", "4096", "--checkpoint-dir", str(tmp_path)]
+    job = run_job(3, command, extra=["--min-workers", "2", "--max-restarts", "1"], timeout=240)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "3 workers at the end: test loss" in job.stdout
+    assert "ran out of data" not in job.stderr  # epochs of any length are expected, not warned about
+    assert (tmp_path / "latest").exists()
+
+
+@pytest.mark.slow
 def test_tls_flags_secure_the_coordinator_and_the_ring(tls_files):
     tls = ["--tls-cert", tls_files.cert_file, "--tls-key", tls_files.key_file, "--tls-ca", tls_files.ca_file]
     job = run_job(2, [sys.executable, worker_script("collective_example.py")], extra=tls, timeout=90)

@@ -4,46 +4,49 @@
 # source: elasticdl_strategy/transport/protos/peer.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "elasticdl_strategy/transport/protos/peer.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'elasticdl_strategy/transport/protos/peer.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n.elasticdl_strategy/transport/protos/peer.proto\x12\x17\x65lasticdl_strategy.peer"N\n\x0bStreamHello\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t"s\n\x14\x43ollectiveDescriptor\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\treduce_op\x18\x05 \x01(\t\x12\x0c\n\x04root\x18\x06 \x01(\x05"\xd9\x01\n\rMessageHeader\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\x05\x12\x0b\n\x03tag\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nchunk_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x13\n\x0binline_data\x18\x08 \x01(\x0c\x12\x41\n\ncollective\x18\t \x01(\x0b\x32-.elasticdl_strategy.peer.CollectiveDescriptor"\xc7\x01\n\x05\x46rame\x12\x35\n\x05hello\x18\x01 \x01(\x0b\x32$.elasticdl_strategy.peer.StreamHelloH\x00\x12\x38\n\x06header\x18\x02 \x01(\x0b\x32&.elasticdl_strategy.peer.MessageHeaderH\x00\x12\x10\n\x05\x63hunk\x18\x80\x10 \x01(\x0cH\x00\x12\x33\n\x07goodbye\x18\x04 \x01(\x0b\x32 .elasticdl_strategy.peer.GoodbyeH\x00\x42\x06\n\x04kind"O\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32%.elasticdl_strategy.peer.AbortRequest"#\n\x0fTransferSummary\x12\x10\n\x08messages\x18\x01 \x01(\x04"i\n\x0c\x41\x62ortRequest\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x03(\x05"\x0f\n\rAbortResponse2\xb6\x01\n\x04Peer\x12V\n\x08Transfer\x12\x1e.elasticdl_strategy.peer.Frame\x1a(.elasticdl_strategy.peer.TransferSummary(\x01\x12V\n\x05\x41\x62ort\x12%.elasticdl_strategy.peer.AbortRequest\x1a&.elasticdl_strategy.peer.AbortResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.elasticdl_strategy/transport/protos/peer.proto\x12\x17\x65lasticdl_strategy.peer\"N\n\x0bStreamHello\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\"s\n\x14\x43ollectiveDescriptor\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\treduce_op\x18\x05 \x01(\t\x12\x0c\n\x04root\x18\x06 \x01(\x05\"\xd9\x01\n\rMessageHeader\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\x05\x12\x0b\n\x03tag\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nchunk_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x13\n\x0binline_data\x18\x08 \x01(\x0c\x12\x41\n\ncollective\x18\t \x01(\x0b\x32-.elasticdl_strategy.peer.CollectiveDescriptor\"\xc7\x01\n\x05\x46rame\x12\x35\n\x05hello\x18\x01 \x01(\x0b\x32$.elasticdl_strategy.peer.StreamHelloH\x00\x12\x38\n\x06header\x18\x02 \x01(\x0b\x32&.elasticdl_strategy.peer.MessageHeaderH\x00\x12\x10\n\x05\x63hunk\x18\x80\x10 \x01(\x0cH\x00\x12\x33\n\x07goodbye\x18\x04 \x01(\x0b\x32 .elasticdl_strategy.peer.GoodbyeH\x00\x42\x06\n\x04kind\"O\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32%.elasticdl_strategy.peer.AbortRequest\"#\n\x0fTransferSummary\x12\x10\n\x08messages\x18\x01 \x01(\x04\"i\n\x0c\x41\x62ortRequest\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x03(\x05\"\x0f\n\rAbortResponse2\xb6\x01\n\x04Peer\x12V\n\x08Transfer\x12\x1e.elasticdl_strategy.peer.Frame\x1a(.elasticdl_strategy.peer.TransferSummary(\x01\x12V\n\x05\x41\x62ort\x12%.elasticdl_strategy.peer.AbortRequest\x1a&.elasticdl_strategy.peer.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "elasticdl_strategy.transport.protos.peer_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'elasticdl_strategy.transport.protos.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_STREAMHELLO"]._serialized_start = 75
-    _globals["_STREAMHELLO"]._serialized_end = 153
-    _globals["_COLLECTIVEDESCRIPTOR"]._serialized_start = 155
-    _globals["_COLLECTIVEDESCRIPTOR"]._serialized_end = 270
-    _globals["_MESSAGEHEADER"]._serialized_start = 273
-    _globals["_MESSAGEHEADER"]._serialized_end = 490
-    _globals["_FRAME"]._serialized_start = 493
-    _globals["_FRAME"]._serialized_end = 692
-    _globals["_GOODBYE"]._serialized_start = 694
-    _globals["_GOODBYE"]._serialized_end = 773
-    _globals["_TRANSFERSUMMARY"]._serialized_start = 775
-    _globals["_TRANSFERSUMMARY"]._serialized_end = 810
-    _globals["_ABORTREQUEST"]._serialized_start = 812
-    _globals["_ABORTREQUEST"]._serialized_end = 917
-    _globals["_ABORTRESPONSE"]._serialized_start = 919
-    _globals["_ABORTRESPONSE"]._serialized_end = 934
-    _globals["_PEER"]._serialized_start = 937
-    _globals["_PEER"]._serialized_end = 1119
+  DESCRIPTOR._loaded_options = None
+  _globals['_STREAMHELLO']._serialized_start=75
+  _globals['_STREAMHELLO']._serialized_end=153
+  _globals['_COLLECTIVEDESCRIPTOR']._serialized_start=155
+  _globals['_COLLECTIVEDESCRIPTOR']._serialized_end=270
+  _globals['_MESSAGEHEADER']._serialized_start=273
+  _globals['_MESSAGEHEADER']._serialized_end=490
+  _globals['_FRAME']._serialized_start=493
+  _globals['_FRAME']._serialized_end=692
+  _globals['_GOODBYE']._serialized_start=694
+  _globals['_GOODBYE']._serialized_end=773
+  _globals['_TRANSFERSUMMARY']._serialized_start=775
+  _globals['_TRANSFERSUMMARY']._serialized_end=810
+  _globals['_ABORTREQUEST']._serialized_start=812
+  _globals['_ABORTREQUEST']._serialized_end=917
+  _globals['_ABORTRESPONSE']._serialized_start=919
+  _globals['_ABORTRESPONSE']._serialized_end=934
+  _globals['_PEER']._serialized_start=937
+  _globals['_PEER']._serialized_end=1119
 # @@protoc_insertion_point(module_scope)

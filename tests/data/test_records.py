@@ -1,0 +1,45 @@
+"""ElasticRecords on a single worker (no coordinator): batches, advancing, epochs."""
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy import collective
+from elasticdl_strategy.data import ElasticRecords, Position
+from elasticdl_strategy.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def single_worker(monkeypatch):
+    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
+    collective.init()
+    yield
+    collective.shutdown()
+
+
+def test_an_epoch_of_batches_covers_every_record_once_and_advance_moves_to_the_next_epoch():
+    records = ElasticRecords(num_records=23, batch_size=5, shard_size=4, seed=1)
+    batches = [b.numpy() for b in records.dataset()]
+    assert [len(b) for b in batches] == [5, 5, 5, 5, 3]
+    assert sorted(np.concatenate(batches).tolist()) == list(range(23))
+    for expected_batch in range(1, 5):
+        records.advance()
+        assert records.position.batch == expected_batch and records.epoch == 0
+    records.advance()
+    assert records.position == Position(epoch=1, batch=0, cursor=0)
+    # The next epoch reads the records in another shard order.
+    assert not np.array_equal(np.concatenate(list(records.batches())), np.concatenate(batches))
+
+
+def test_a_dataset_resumes_from_the_position():
+    records = ElasticRecords(num_records=20, batch_size=5, seed=2)
+    everything = np.concatenate(list(records.batches()))
+    records.advance()
+    records.advance()
+    rest = np.concatenate([b.numpy() for b in records.dataset()])
+    assert rest.tolist() == everything[10:].tolist()
+    assert records.steps_left_in_epoch() == 2
+
+
+def test_bad_batch_size_is_refused():
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        ElasticRecords(num_records=10, batch_size=0)

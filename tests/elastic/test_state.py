@@ -1,0 +1,78 @@
+"""Elastic state on a single worker: commit/restore/values, checkpoints written atomically."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from elasticdl_strategy import collective, elastic
+from elasticdl_strategy.data import ElasticRecords, Position
+from elasticdl_strategy.elastic.checkpoint import CheckpointStore
+from elasticdl_strategy.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def single_worker(monkeypatch):
+    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
+    collective.init()
+    yield
+    collective.shutdown()
+
+
+def test_restore_rolls_variables_values_and_position_back_to_a_commit():
+    w = tf.Variable([1.0, 2.0])
+    records = ElasticRecords(num_records=10, batch_size=2)
+    state = elastic.State(variables=[w], records=records, epoch=0)
+    state.epoch = 1
+    records.advance()
+    state.commit()
+    committed = state.commit_id
+    w.assign([5.0, 6.0])
+    state.epoch = 9
+    records.advance()
+    state.restore(committed)
+    assert w.numpy().tolist() == [1.0, 2.0]
+    assert state.epoch == 1
+    assert records.position == Position(epoch=0, batch=1, cursor=2)
+
+
+def test_reserved_value_names_and_bad_intervals_are_refused():
+    with pytest.raises(ConfigError, match="reserved"):
+        elastic.State(commit_id=3)
+    with pytest.raises(ConfigError, match="checkpoint_every=0"):
+        elastic.State(checkpoint_every=0)
+
+
+def test_checkpoints_round_trip_and_a_crash_mid_write_leaves_the_previous_one(tmp_path):
+    w = tf.Variable(np.arange(4, dtype=np.float32))
+    records = ElasticRecords(num_records=10, batch_size=2)
+    state = elastic.State(variables=[w], records=records, checkpoint_dir=str(tmp_path), checkpoint_every=1, step=3)
+    records.advance()
+    state.commit()  # checkpoint of commit 1
+    # A writer that died half-way leaves a temporary directory: ignored on load.
+    os.makedirs(tmp_path / ".tmp-commit-00000002-999")
+    w.assign(np.zeros(4, np.float32))
+    state.step = 100
+    assert state.load_checkpoint()
+    assert w.numpy().tolist() == [0.0, 1.0, 2.0, 3.0] and state.step == 3 and state.commit_id == 1
+    assert records.position.cursor == 2
+
+
+def test_only_the_newest_checkpoints_are_kept_and_latest_points_to_a_complete_one(tmp_path):
+    w = tf.Variable([0.0])
+    state = elastic.State(variables=[w], checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    for _ in range(4):
+        w.assign_add([1.0])
+        state.commit()
+    store = CheckpointStore(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("commit-*")) == ["commit-00000003", "commit-00000004"]
+    assert store.latest().endswith("commit-00000004")
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    state = elastic.State(variables=[tf.Variable([1.0, 2.0])], checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    state.commit()
+    other = elastic.State(variables=[tf.Variable([1.0, 2.0, 3.0])], checkpoint_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="belongs to another model"):
+        other.load_checkpoint()
