@@ -54,6 +54,12 @@ def test_the_last_few_records_are_folded_into_the_step_before():
     assert [rank_share(4, 9, r, 2) for r in range(2)] == [(4, 6), (6, 9)]
 
 
+def test_the_global_batch_is_the_batch_per_worker_times_the_workers():
+    # Fixed batch per worker: 3 workers take 12 records a step, 2 workers 8.
+    assert next(step_bounds(0, 100, workers=3, batch_size=4)) == (0, 12)
+    assert next(step_bounds(40, 100, workers=2, batch_size=4)) == (40, 48)
+
+
 def test_epoch_stream_maps_positions_to_record_indices_across_shards():
     stream = EpochStream([10, 0], [15, 5])
     assert stream.num_records == 10

@@ -80,6 +80,7 @@ def test_sigkill_one_of_three_at_a_random_step(tmp_path):
     found = reports(tmp_path)
     assert_exactly_once_and_identical(found, 2)
     assert victim not in found and all(r["size"] == 2 for r in found.values())
+    assert all(r["resets"] == [2] for r in found.values())  # reset callbacks ran once, with 2 workers
 
 
 def test_two_failures_in_a_row(tmp_path):

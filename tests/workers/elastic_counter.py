@@ -69,6 +69,8 @@ state = CounterState(
     checkpoint_every=config.get("checkpoint_every", 2),
     steps=0,
 )
+resets = []  # the worker count seen by each reset callback
+state.register_reset_callbacks([lambda: resets.append(collective.size())])
 
 
 def before_step():
@@ -191,5 +193,6 @@ write_named_report(
         "commit_id": state.commit_id,
         "epoch_checks": epoch_checks,
         "syncs": syncs["n"],
+        "resets": resets,
     },
 )
