@@ -5,8 +5,10 @@ Variable                   Meaning
 =========================  ===================================================
 EDL_COORDINATOR_ADDR       ``host:port`` of the coordinator; unset: single worker
 EDL_JOB_TOKEN              the job's secret, carried by every RPC
-EDL_WORKER_ID              stable id of this worker (unique in the job)
+EDL_WORKER_ID              stable id of this worker (unique in the job); when unset,
+                           derived from ``TF_CONFIG`` (Kubeflow TFJob): "worker-3"
 EDL_BIND_HOST              interface the peer server listens on (default 127.0.0.1)
+EDL_PEER_PORT              port of the peer server (default 0: any free port)
 EDL_ADVERTISE_HOST         host peers dial (default: EDL_BIND_HOST, or the pod IP)
 EDL_RENDEZVOUS_TIMEOUT     seconds to wait for a membership (default 120)
 EDL_TIMEOUT                default deadline of collectives and receives (default 60)
@@ -33,6 +35,28 @@ WORKER_ID = "EDL_WORKER_ID"
 BIND_HOST = "EDL_BIND_HOST"
 ADVERTISE_HOST = "EDL_ADVERTISE_HOST"
 RENDEZVOUS_TIMEOUT = "EDL_RENDEZVOUS_TIMEOUT"
+PEER_PORT = "EDL_PEER_PORT"
+TF_CONFIG = "TF_CONFIG"
+
+
+def worker_id_from_tf_config(text: str) -> str:
+    """The worker id of a process started by an operator that sets ``TF_CONFIG`` (Kubeflow TFJob).
+
+    Example::
+
+        worker_id_from_tf_config('{"cluster": {...}, "task": {"type": "worker", "index": 2}}')  # "worker-2"
+
+    Raises:
+        ConfigError: ``TF_CONFIG`` is not JSON with a ``task`` type and index.
+    """
+    import json
+
+    try:
+        task = json.loads(text)["task"]
+        kind, index = str(task["type"]), int(task["index"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{TF_CONFIG} has no task type and index: {text[:200]!r}") from None
+    return f"{kind}-{index}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +68,7 @@ class WorkerEnvironment:
     worker_id: str
     bind_host: str = "127.0.0.1"
     advertise_host: Optional[str] = None
+    peer_port: int = 0
     rendezvous_timeout_s: float = 120.0
     transport: TransportOptions = TransportOptions()
 
@@ -58,8 +83,16 @@ class WorkerEnvironment:
         if not address:
             return None
         worker_id = env.get(WORKER_ID) or ""
+        if not worker_id and env.get(TF_CONFIG):
+            worker_id = worker_id_from_tf_config(env[TF_CONFIG])
         if not worker_id:
-            raise ConfigError(f"{COORDINATOR_ADDR} is set but {WORKER_ID} is not")
+            raise ConfigError(f"{COORDINATOR_ADDR} is set but {WORKER_ID} (or {TF_CONFIG}) is not")
+        try:
+            peer_port = int(env.get(PEER_PORT) or 0)
+        except ValueError:
+            raise ConfigError(f"{PEER_PORT}={env[PEER_PORT]!r} is not a port number") from None
+        if not 0 <= peer_port <= 65535:
+            raise ConfigError(f"{PEER_PORT}={peer_port} is not a port number")
         try:
             rendezvous_timeout = float(env.get(RENDEZVOUS_TIMEOUT, "120"))
         except ValueError:
@@ -73,6 +106,7 @@ class WorkerEnvironment:
             worker_id=worker_id,
             bind_host=bind_host,
             advertise_host=env.get(ADVERTISE_HOST) or None,
+            peer_port=peer_port,
             rendezvous_timeout_s=rendezvous_timeout,
             transport=TransportOptions.from_env(env),
         )

@@ -56,6 +56,8 @@ class Worker:
         self._env = env
         self._reregister_lock = threading.Lock()
         self._declared_dead = False
+        # Set when this worker asked to leave: the coordinator forgetting it is then expected.
+        self.leaving = False
 
     @classmethod
     def single(cls, options: Optional[TransportOptions] = None) -> "Worker":
@@ -67,7 +69,7 @@ class Worker:
     @classmethod
     def join(cls, env: WorkerEnvironment) -> "Worker":
         tune_for_streaming()
-        server = WorkerServer(f"{env.bind_host}:0", env.token, env.transport)
+        server = WorkerServer(f"{env.bind_host}:{env.peer_port}", env.token, env.transport)
         client = None
         worker: Optional[Worker] = None
         try:
@@ -129,6 +131,8 @@ class Worker:
     def _on_heartbeat(self, response) -> None:
         """Fails collectives at once when the coordinator drops one of our peers."""
         if not response.known:
+            if self.leaving:
+                return
             if response.membership_version < self.membership.version:
                 logger.warning(
                     "worker %s: the coordinator is at membership version %d, behind this worker's %d "
@@ -223,6 +227,7 @@ class Worker:
         ``finished``: the program ended successfully, so the job is done and
         standbys can stop waiting.
         """
+        self.leaving = True
         self.communicator.close(timeout)
         if self._client is not None:
             self._client.leave("finished" if finished else "shutdown", finished=finished)

@@ -226,7 +226,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                     now - w.last_heartbeat,
                 )
             reason = f"{', '.join(w.worker_id for w in dead)} missed heartbeats" if dead else "last call"
-            self._publish_if_changed(reason)
+            # Joiners are admitted with a removal (the members re-form anyway), never on a mere tick:
+            # otherwise they would interrupt the members between two commits.
+            self._publish_if_changed(reason, admit=bool(dead))
 
     def start_reaper(self) -> None:
         def loop():

@@ -161,6 +161,7 @@ class State:
         snapshot = self._snapshot()
         self._keep(snapshot)
         version = worker.membership.version
+        worker.leaving = worker.leaving or self.leave_requested
         if worker.client is None:  # a single worker: nobody to agree with
             response = coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
         else:

@@ -1,0 +1,148 @@
+"""A Kubernetes job request, validated before any object is created."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, Optional, Sequence, Tuple
+
+from elasticdl_strategy.errors import ConfigError
+
+# Longest suffix added to the job name ("-worker-" + a worker id of up to 5 digits).
+_LONGEST_SUFFIX = len("-worker-99999")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_IMAGE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._/:@-]*$")
+
+COORDINATOR_PORT = 50051
+WORKER_PORT = 50052
+
+
+def _check_quantity(flag: str, value: str) -> None:
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        if parse_quantity(value) <= 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{flag}={value!r} is not a positive Kubernetes quantity (e.g. 500m, 2, 4Gi)") from None
+
+
+def parse_env(pairs: Sequence[str]) -> Dict[str, str]:
+    """``["K=V", ...]`` to a dict; raises ConfigError naming a malformed pair or name."""
+    env: Dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not _ENV_NAME.match(name):
+            raise ConfigError(f"--env {pair!r} must be NAME=VALUE with a valid variable name")
+        if name.startswith("EDL_"):
+            raise ConfigError(f"--env {name}: EDL_ variables are set by the job itself")
+        env[name] = value
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class K8sJobConfig:
+    """What ``elasticdl-strategy k8s submit`` / ``manifest`` create; construction validates.
+
+    Example::
+
+        config = K8sJobConfig(name="mnist", image="registry/edl:0.1", command=["python", "train.py"], workers=4)
+    """
+
+    name: str
+    image: str
+    command: Tuple[str, ...]
+    workers: int
+    min_workers: Optional[int] = None
+    max_workers: Optional[int] = None
+    namespace: str = "default"
+    cpu: str = "1"
+    memory: str = "2Gi"
+    gpu: int = 0
+    env: Tuple[Tuple[str, str], ...] = ()
+    max_restarts: int = 3
+    priority_class: Optional[str] = None
+    relaunch_on_error: bool = False
+    heartbeat_timeout_s: float = 10.0
+    rendezvous_timeout_s: float = 600.0
+    termination_grace_s: int = 60
+    image_pull_policy: str = "IfNotPresent"
+    master_cpu: str = "500m"
+    master_memory: str = "512Mi"
+
+    def __post_init__(self) -> None:
+        if not _DNS_LABEL.match(self.name) or len(self.name) > 63 - _LONGEST_SUFFIX:
+            raise ConfigError(
+                f"--name={self.name!r} must be lower-case letters, digits and '-', start and end with a "
+                f"letter or digit, and be at most {63 - _LONGEST_SUFFIX} characters"
+            )
+        if not _DNS_LABEL.match(self.namespace):
+            raise ConfigError(f"--namespace={self.namespace!r} is not a valid namespace name")
+        if not self.image or not _IMAGE.match(self.image):
+            raise ConfigError(f"--image={self.image!r} is not a valid image reference")
+        if not self.command:
+            raise ConfigError("missing command: use `elasticdl-strategy k8s submit ... -- CMD ARGS...`")
+        if self.workers < 1:
+            raise ConfigError(f"--workers={self.workers} must be at least 1")
+        if not 1 <= self.min_workers_ <= self.workers:
+            raise ConfigError(f"--min-workers={self.min_workers} must be between 1 and --workers={self.workers}")
+        if self.max_workers_ < self.min_workers_:
+            raise ConfigError(f"--max-workers={self.max_workers} must be at least --min-workers={self.min_workers_}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts={self.max_restarts} must not be negative")
+        if self.gpu < 0:
+            raise ConfigError(f"--gpu={self.gpu} must not be negative")
+        for flag, value in (("--cpu", self.cpu), ("--memory", self.memory)):
+            _check_quantity(flag, value)
+        if self.priority_class is not None and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", self.priority_class):
+            raise ConfigError(f"--priority-class={self.priority_class!r} is not a valid PriorityClass name")
+        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ConfigError(f"image pull policy {self.image_pull_policy!r} must be Always, IfNotPresent or Never")
+        for name in ("heartbeat_timeout_s", "rendezvous_timeout_s", "termination_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+
+    @property
+    def min_workers_(self) -> int:
+        return self.workers if self.min_workers is None else self.min_workers
+
+    @property
+    def max_workers_(self) -> int:
+        return self.workers if self.max_workers is None else self.max_workers
+
+    # Names of the job's objects.
+    @property
+    def master_name(self) -> str:
+        return f"{self.name}-master"
+
+    @property
+    def secret_name(self) -> str:
+        return f"{self.name}-token"
+
+    @property
+    def status_name(self) -> str:
+        return f"{self.name}-status"
+
+    def worker_name(self, worker_index: int) -> str:
+        return f"{self.name}-worker-{worker_index}"
+
+    def job_flags(self) -> Tuple[str, ...]:
+        """The flags that recreate this config (passed to the master's command line)."""
+        flags = [
+            "--name", self.name, "--namespace", self.namespace, "--image", self.image,
+            "--workers", str(self.workers), "--min-workers", str(self.min_workers_),
+            "--max-workers", str(self.max_workers_), "--cpu", self.cpu, "--memory", self.memory,
+            "--gpu", str(self.gpu), "--max-restarts", str(self.max_restarts),
+            "--heartbeat-timeout", f"{self.heartbeat_timeout_s:g}",
+            "--rendezvous-timeout", f"{self.rendezvous_timeout_s:g}",
+            "--termination-grace", str(self.termination_grace_s),
+            "--image-pull-policy", self.image_pull_policy,
+        ]  # fmt: skip
+        if self.priority_class:
+            flags += ["--priority-class", self.priority_class]
+        if self.relaunch_on_error:
+            flags.append("--relaunch-on-error")
+        for key, value in self.env:
+            flags += ["--env", f"{key}={value}"]
+        return tuple(flags)

@@ -1,0 +1,331 @@
+"""The master's pod manager: creates the worker pods, watches them, relaunches and finishes the job.
+
+Decisions per worker pod (``decide``):
+
+* exits 0 (Succeeded): training finished; the job succeeds once every worker
+  pod has ended (standbys exit 0 by themselves);
+* deleted, evicted or preempted before ending, or exited 128-255 (killed by a
+  signal): relaunched under a new worker id while the restart budget lasts,
+  after a backoff that doubles with every relaunch (1 s to 60 s);
+* OOMKilled, or exited 1-127 (an error in the program): not relaunched
+  unless ``--relaunch-on-error``; reported with its reason;
+* the job fails when fewer than ``--min-workers`` workers remain alive and the
+  budget cannot replace them, with a message saying why.
+
+Watch events are applied idempotently: a pod's events older than the last one
+seen (by resourceVersion) are ignored, so duplicates and reordering are
+harmless, and any phase may follow Pending (a pod can fail before running).
+The watch resumes from the last resourceVersion and re-lists on 410 Gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from elasticdl_strategy.launcher.k8s import manifests
+from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
+
+logger = logging.getLogger(__name__)
+
+# Reasons (pod.status.reason) of pods removed by the cluster rather than by a failure of the program.
+_CLUSTER_REASONS = {"Evicted", "Preempting", "Preempted", "NodeShutdown", "Shutdown", "Terminated", "NodeLost"}
+_BACKOFF_START_S, _BACKOFF_CAP_S = 1.0, 60.0
+_WATCH_TIMEOUT_S = 5
+
+
+@dataclasses.dataclass
+class WorkerPod:
+    """What the manager knows of one worker pod."""
+
+    index: int
+    name: str
+    phase: str = "Pending"
+    exit_code: Optional[int] = None
+    reason: str = ""
+    resource_version: int = -1
+    deleted: bool = False
+    handled: bool = False  # its end was acted upon (relaunched, accepted or reported)
+
+    @property
+    def ended(self) -> bool:
+        return self.deleted or self.phase in ("Succeeded", "Failed")
+
+    def describe(self) -> str:
+        if self.exit_code is not None:
+            return f"{self.name} exited with code {self.exit_code}" + (f" ({self.reason})" if self.reason else "")
+        if self.deleted:
+            return f"{self.name} was deleted" + (f" ({self.reason})" if self.reason else "")
+        return f"{self.name} is {self.phase}" + (f" ({self.reason})" if self.reason else "")
+
+
+def decide(pod: WorkerPod, relaunch_on_error: bool) -> str:
+    """What to do about an ended worker: ``"finished"``, ``"relaunch"`` or ``"failed"``."""
+    if pod.phase == "Succeeded" or pod.exit_code == 0:
+        return "finished"
+    if pod.reason == "OOMKilled":
+        return "relaunch" if relaunch_on_error else "failed"
+    if pod.exit_code is not None and 1 <= pod.exit_code <= 127 and pod.reason not in _CLUSTER_REASONS:
+        return "relaunch" if relaunch_on_error else "failed"
+    return "relaunch"  # deleted, evicted, preempted, or killed by a signal (128-255)
+
+
+def _rv(obj: Any) -> int:
+    try:
+        return int(obj.metadata.resource_version)
+    except (TypeError, ValueError):
+        return -1
+
+
+@dataclasses.dataclass
+class JobOutcome:
+    phase: str  # "Succeeded" or "Failed"
+    message: str
+
+
+class PodManager:
+    """Keeps a job's worker pods (see the module docstring for the policy).
+
+    Args:
+        api: a ``kubernetes.client.CoreV1Api``.
+        config: the job.
+        owner: the master pod (``{"name", "uid"}``) that owns every worker pod.
+        coordinator_address: ``host:port`` workers dial.
+        membership_version: returns the coordinator's membership version (for the status).
+    """
+
+    def __init__(
+        self,
+        api,
+        config: K8sJobConfig,
+        owner: Dict[str, str],
+        coordinator_address: str,
+        membership_version: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.api = api
+        self.config = config
+        self.owner = owner
+        self.coordinator_address = coordinator_address
+        self.membership_version = membership_version
+        self.clock = clock
+        self.pods: Dict[str, WorkerPod] = {}
+        self.restarts = 0
+        self.next_index = 0
+        self.pending_relaunches: List[float] = []  # due times
+        self.failures: List[str] = []
+        self.finished = False
+        self.outcome: Optional[JobOutcome] = None
+        self._status_written = ""
+
+    # ---- pods -------------------------------------------------------------------------------
+
+    def create_worker(self) -> WorkerPod:
+        index = self.next_index
+        self.next_index += 1
+        body = manifests.worker_pod(self.config, index, self.coordinator_address, self.owner)
+        pod = WorkerPod(index, self.config.worker_name(index))
+        self.pods[pod.name] = pod
+        self.api.create_namespaced_pod(self.config.namespace, body)
+        logger.info("created %s", pod.name)
+        return pod
+
+    def start(self) -> None:
+        """Adopts the job's existing worker pods (after a master restart), or creates the first ones."""
+        existing = self.api.list_namespaced_pod(
+            self.config.namespace, label_selector=manifests.selector(self.config, "worker")
+        )
+        for item in existing.items:
+            self.apply("ADDED", item)
+        if self.pods:
+            self.next_index = 1 + max(p.index for p in self.pods.values())
+            logger.info("adopted %d existing worker pods", len(self.pods))
+        else:
+            for _ in range(self.config.workers):
+                self.create_worker()
+        self._resource_version = existing.metadata.resource_version
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def apply(self, kind: str, obj: Any) -> None:
+        """Applies one watch event (``ADDED``/``MODIFIED``/``DELETED``) of a worker pod; idempotent."""
+        name = obj.metadata.name
+        labels = obj.metadata.labels or {}
+        pod = self.pods.get(name)
+        if pod is None:
+            try:
+                index = int(labels.get(manifests.WORKER_ID_LABEL, ""))
+            except ValueError:
+                return  # not one of ours
+            pod = self.pods[name] = WorkerPod(index, name)
+        version = _rv(obj)
+        if version <= pod.resource_version and kind != "DELETED":
+            return  # a duplicate or an older event
+        pod.resource_version = max(pod.resource_version, version)
+        status = obj.status
+        if status is not None:
+            pod.phase = status.phase or pod.phase
+            pod.reason = status.reason or pod.reason
+            for container in status.container_statuses or []:
+                terminated = container.state.terminated if container.state else None
+                if terminated is not None:
+                    pod.exit_code = terminated.exit_code
+                    pod.reason = (
+                        terminated.reason if terminated.reason not in (None, "Error", "Completed") else pod.reason
+                    )
+        if kind == "DELETED":
+            pod.deleted = True
+        self._act_on(pod)
+
+    def _act_on(self, pod: WorkerPod) -> None:
+        if not pod.ended or pod.handled:
+            return
+        pod.handled = True
+        action = decide(pod, self.config.relaunch_on_error)
+        if action == "finished":
+            if not self.finished:
+                logger.info("%s finished: training is done", pod.name)
+            self.finished = True
+            return
+        if self.finished:
+            return  # the job is winding down: nothing to replace
+        if action == "relaunch" and self.restarts + len(self.pending_relaunches) < self.config.max_restarts:
+            delay = min(_BACKOFF_CAP_S, _BACKOFF_START_S * 2 ** (self.restarts + len(self.pending_relaunches)))
+            self.pending_relaunches.append(self.clock() + delay)
+            logger.warning("%s: relaunching it as a new worker in %.0fs", pod.describe(), delay)
+            return
+        why = "restart budget spent" if action == "relaunch" else "not relaunched"
+        if action == "failed" and pod.reason == "OOMKilled":
+            why += "; raise --memory"
+        elif action == "failed":
+            why += " (an error in the program; --relaunch-on-error to relaunch anyway)"
+        message = f"{pod.describe()}: {why}"
+        logger.error(message)
+        self.failures.append(message)
+
+    def relaunch_due(self) -> None:
+        now = self.clock()
+        due = [t for t in self.pending_relaunches if t <= now]
+        self.pending_relaunches = [t for t in self.pending_relaunches if t > now]
+        for _ in due:
+            if self.finished:
+                break
+            self.restarts += 1
+            pod = self.create_worker()
+            logger.warning("relaunched: %s (restart %d of %d)", pod.name, self.restarts, self.config.max_restarts)
+
+    # ---- the job ----------------------------------------------------------------------------
+
+    def alive(self) -> List[WorkerPod]:
+        return [p for p in self.pods.values() if not p.ended]
+
+    def check_outcome(self) -> Optional[JobOutcome]:
+        """The job's end, once it is decided."""
+        alive = self.alive()
+        if self.finished and not alive:
+            return JobOutcome("Succeeded", "training finished")
+        if self.finished or self.pending_relaunches:
+            return None
+        if len(alive) < self.config.min_workers_ and self.failures:
+            return JobOutcome(
+                "Failed",
+                f"{len(alive)} worker(s) left, fewer than --min-workers={self.config.min_workers_}, and none can be "
+                f"relaunched ({self.restarts} of {self.config.max_restarts} restarts used): "
+                + "; ".join(self.failures),
+            )
+        return None
+
+    def status(self) -> Dict[str, str]:
+        workers = {
+            p.name: {"phase": "Deleted" if p.deleted else p.phase, "exit_code": p.exit_code, "reason": p.reason}
+            for p in sorted(self.pods.values(), key=lambda p: p.index)
+        }
+        phase = self.outcome.phase if self.outcome else ("Finishing" if self.finished else "Running")
+        message = self.outcome.message if self.outcome else f"{len(self.alive())} worker(s) alive"
+        return {
+            "phase": phase,
+            "message": message,
+            "workers": json.dumps(workers, sort_keys=True),
+            "restarts": str(self.restarts),
+            "membership_version": str(self.membership_version()),
+        }
+
+    def write_status(self, force: bool = False) -> None:
+        data = self.status()
+        text = json.dumps(data, sort_keys=True)
+        if text == self._status_written and not force:
+            return
+        try:
+            self.api.patch_namespaced_config_map(self.config.status_name, self.config.namespace, {"data": data})
+            self._status_written = text
+        except Exception as e:  # noqa: BLE001 - the status is informative; the job goes on
+            logger.warning("could not write the job status: %s", e)
+
+    def run(self, deadline: Optional[float] = None) -> JobOutcome:
+        """Watches until the job succeeds or fails; returns the outcome (also written to the status)."""
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        self.start()
+        while self.outcome is None:
+            self.write_status()
+            try:
+                stream = watch.Watch().stream(
+                    self.api.list_namespaced_pod,
+                    self.config.namespace,
+                    label_selector=manifests.selector(self.config, "worker"),
+                    resource_version=self._resource_version,
+                    timeout_seconds=_WATCH_TIMEOUT_S,
+                    _request_timeout=_WATCH_TIMEOUT_S + 5,
+                )
+                for event in stream:
+                    obj = event["object"]
+                    self._resource_version = obj.metadata.resource_version or self._resource_version
+                    self.apply(event["type"], obj)
+                    if self._step():
+                        break
+            except ApiException as e:
+                if e.status != 410:
+                    raise
+                logger.info("watch expired (410 Gone): listing the pods again")
+                self._relist()
+            self._step()
+            if deadline is not None and self.clock() > deadline:
+                self.outcome = JobOutcome("Failed", "the master's deadline passed")
+        self.write_status(force=True)
+        return self.outcome
+
+    def _step(self) -> bool:
+        self.relaunch_due()
+        self.outcome = self.check_outcome()
+        self.write_status()
+        return self.outcome is not None
+
+    def _relist(self) -> None:
+        listed = self.api.list_namespaced_pod(
+            self.config.namespace, label_selector=manifests.selector(self.config, "worker")
+        )
+        present = set()
+        for item in listed.items:
+            present.add(item.metadata.name)
+            self.apply("MODIFIED", item)
+        for pod in self.pods.values():
+            if pod.name not in present and not pod.ended:
+                pod.deleted = True  # deleted while we were not watching
+                self._act_on(pod)
+        self._resource_version = listed.metadata.resource_version
+
+    def delete_remaining(self) -> None:
+        """Deletes worker pods still present (standbys at the end, everything on failure)."""
+        from kubernetes.client.exceptions import ApiException
+
+        for pod in self.pods.values():
+            if not pod.deleted:
+                try:
+                    self.api.delete_namespaced_pod(pod.name, self.config.namespace, grace_period_seconds=0)
+                except ApiException as e:
+                    if e.status != 404:
+                        logger.warning("could not delete %s: %s", pod.name, e.reason)
