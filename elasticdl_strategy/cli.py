@@ -2,6 +2,7 @@
 
 Subcommands:
     run          start the coordinator and N workers on this machine
+    k8s          submit and control jobs on Kubernetes (k8s --help)
     coordinator  serve the coordinator (started by the launchers)
 """
 
@@ -102,7 +103,13 @@ def _coordinator(argv: List[str]) -> int:
         parser.error(str(e))
 
 
-_COMMANDS = {"run": _run, "coordinator": _coordinator}
+def _k8s(argv: List[str]) -> int:
+    from elasticdl_strategy.launcher.k8s.cli import main as k8s_main
+
+    return k8s_main(argv)
+
+
+_COMMANDS = {"run": _run, "k8s": _k8s, "coordinator": _coordinator}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

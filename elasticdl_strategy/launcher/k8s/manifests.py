@@ -249,3 +249,20 @@ def job_objects(config: K8sJobConfig, token: str) -> List[Manifest]:
         master_service(config),
         master_pod(config),
     ]
+
+
+def render_yaml(config: K8sJobConfig, token: Optional[str] = None) -> str:
+    """The YAML ``kubectl apply -f`` takes: every object of :func:`job_objects` (with a fresh token).
+
+    Worker pods are not included: the master creates them.
+    """
+    import yaml
+
+    from elasticdl_strategy.transport.auth import new_token
+
+    documents = job_objects(config, token or new_token())
+    header = (
+        f"# elasticdl_strategy job {config.name!r}: the master pod creates {config.workers} worker pod(s)\n"
+        "# ({name}-worker-<i>) and relaunches them; kubectl delete pod {name}-master removes the job.\n"
+    ).format(name=config.name)
+    return header + yaml.safe_dump_all(documents, sort_keys=False, default_flow_style=False)

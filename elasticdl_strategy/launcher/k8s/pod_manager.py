@@ -264,8 +264,8 @@ class PodManager:
         except Exception as e:  # noqa: BLE001 - the status is informative; the job goes on
             logger.warning("could not write the job status: %s", e)
 
-    def run(self, deadline: Optional[float] = None) -> JobOutcome:
-        """Watches until the job succeeds or fails; returns the outcome (also written to the status)."""
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> JobOutcome:
+        """Watches until the job succeeds or fails (or ``should_stop``); returns the outcome (also in the status)."""
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
@@ -285,7 +285,7 @@ class PodManager:
                     obj = event["object"]
                     self._resource_version = obj.metadata.resource_version or self._resource_version
                     self.apply(event["type"], obj)
-                    if self._step():
+                    if self._step() or should_stop():
                         break
             except ApiException as e:
                 if e.status != 410:
@@ -293,8 +293,8 @@ class PodManager:
                 logger.info("watch expired (410 Gone): listing the pods again")
                 self._relist()
             self._step()
-            if deadline is not None and self.clock() > deadline:
-                self.outcome = JobOutcome("Failed", "the master's deadline passed")
+            if should_stop() and self.outcome is None:
+                self.outcome = JobOutcome("Failed", "the master was stopped (SIGTERM) before training finished")
         self.write_status(force=True)
         return self.outcome
 

@@ -1,0 +1,238 @@
+"""The user's side of a Kubernetes job: submit, status, logs, delete (``elasticdl-strategy k8s ...``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Dict, List, Optional
+
+from elasticdl_strategy.errors import ConfigError, ElasticDLError
+from elasticdl_strategy.launcher.k8s import manifests
+from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
+from elasticdl_strategy.transport.auth import new_token
+
+logger = logging.getLogger(__name__)
+
+
+class KubernetesError(ElasticDLError):
+    """The Kubernetes API refused or failed a request (the message says which and why)."""
+
+
+def _explain(error, verb: str, what: str, namespace: str) -> KubernetesError:
+    status = getattr(error, "status", None)
+    try:
+        detail = json.loads(error.body).get("message", "") if getattr(error, "body", None) else ""
+    except ValueError:
+        detail = ""
+    detail = detail or getattr(error, "reason", "") or str(error)
+    if status == 403:
+        return KubernetesError(
+            f"not allowed to {verb} {what} in namespace {namespace!r}: {detail}. Your Kubernetes user needs "
+            f"that permission (`kubectl auth can-i {verb} {what.split()[0]} -n {namespace}`)"
+        )
+    if status == 401:
+        return KubernetesError(f"the Kubernetes API rejected the credentials: {detail} (check your kubeconfig)")
+    return KubernetesError(f"could not {verb} {what} in namespace {namespace!r}: {status} {detail}")
+
+
+class JobClient:
+    """Submits and controls jobs through a ``kubernetes.client.ApiClient``.
+
+    Example::
+
+        client = JobClient(kubernetes.client.ApiClient())
+        client.submit(K8sJobConfig(name="mnist", image="registry/edl:0.1", command=("python", "train.py"), workers=3))
+        print(client.status("mnist", "default"))
+    """
+
+    def __init__(self, api_client):
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.rbac = client.RbacAuthorizationV1Api(api_client)
+
+    # ---- submit -----------------------------------------------------------------------------
+
+    def _creators(self) -> Dict[str, Callable]:
+        return {
+            "ServiceAccount": self.core.create_namespaced_service_account,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "Secret": self.core.create_namespaced_secret,
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "Service": self.core.create_namespaced_service,
+            "Pod": self.core.create_namespaced_pod,
+        }
+
+    def _deleters(self) -> Dict[str, Callable]:
+        return {
+            "ServiceAccount": self.core.delete_namespaced_service_account,
+            "Role": self.rbac.delete_namespaced_role,
+            "RoleBinding": self.rbac.delete_namespaced_role_binding,
+            "Secret": self.core.delete_namespaced_secret,
+            "ConfigMap": self.core.delete_namespaced_config_map,
+            "Service": self.core.delete_namespaced_service,
+            "Pod": self.core.delete_namespaced_pod,
+        }
+
+    def check_namespace(self, namespace: str) -> None:
+        """Raises ConfigError when ``namespace`` does not exist (unknown if reading namespaces is forbidden)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.read_namespace(namespace)
+        except ApiException as e:
+            if e.status == 404:
+                raise ConfigError(f"--namespace={namespace!r} does not exist") from None
+            if e.status != 403:
+                raise _explain(e, "get", "namespaces", namespace) from None
+
+    def submit(self, config: K8sJobConfig) -> List[str]:
+        """Creates the job's objects (the master creates the workers); returns ``Kind/name`` of each.
+
+        Nothing is left behind on failure: objects created before it are deleted.
+
+        Raises:
+            ConfigError: the namespace does not exist, or a job of that name does.
+            KubernetesError: the API refused a request (e.g. RBAC), with what to check.
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        self.check_namespace(config.namespace)
+        objects = manifests.job_objects(config, new_token())
+        created: List[dict] = []
+        try:
+            for obj in objects:
+                kind, name = obj["kind"], obj["metadata"]["name"]
+                try:
+                    result = self._creators()[kind](config.namespace, obj)
+                except ApiException as e:
+                    if e.status == 409:
+                        raise ConfigError(
+                            f"job {config.name!r} already exists in namespace {config.namespace!r} ({kind} {name}); "
+                            f"delete it first: elasticdl-strategy k8s delete {config.name} -n {config.namespace}"
+                        ) from None
+                    raise _explain(e, "create", f"{kind.lower()}s {name}", config.namespace) from None
+                created.append(obj)
+            self._adopt(config, result.metadata.uid, created[:-1])
+        except BaseException:
+            self._delete_objects(config.namespace, reversed(created))
+            raise
+        return [f"{o['kind']}/{o['metadata']['name']}" for o in created]
+
+    def _adopt(self, config: K8sJobConfig, master_uid: str, objects: List[dict]) -> None:
+        """Makes the master pod own the job's other objects, so that deleting it removes the job."""
+        owner = {"ownerReferences": [manifests.owner_reference({"name": config.master_name, "uid": master_uid})]}
+        patchers = {
+            "ServiceAccount": self.core.patch_namespaced_service_account,
+            "Role": self.rbac.patch_namespaced_role,
+            "RoleBinding": self.rbac.patch_namespaced_role_binding,
+            "Secret": self.core.patch_namespaced_secret,
+            "ConfigMap": self.core.patch_namespaced_config_map,
+            "Service": self.core.patch_namespaced_service,
+        }
+        for obj in objects:
+            patchers[obj["kind"]](obj["metadata"]["name"], config.namespace, {"metadata": owner})
+
+    def _delete_objects(self, namespace: str, objects) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        for obj in objects:
+            try:
+                self._deleters()[obj["kind"]](obj["metadata"]["name"], namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    logger.warning("could not delete %s %s: %s", obj["kind"], obj["metadata"]["name"], e.reason)
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def status(self, name: str, namespace: str) -> dict:
+        """The job's phase, message, membership version and workers (name, phase, exit code, restarts).
+
+        Raises:
+            ConfigError: no such job.
+        """
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            data = self.core.read_namespaced_config_map(f"{name}-status", namespace).data or {}
+        except ApiException as e:
+            if e.status == 404:
+                raise ConfigError(f"no job {name!r} in namespace {namespace!r}") from None
+            raise _explain(e, "get", "configmaps", namespace) from None
+        pods = self.core.list_namespaced_pod(
+            namespace, label_selector=f"{manifests.INSTANCE_LABEL}={name},{manifests.NAME_LABEL}={manifests.APP}"
+        )
+        live = {
+            p.metadata.name: {
+                "phase": p.status.phase if p.status else "Unknown",
+                "restarts": sum(c.restart_count for c in (p.status.container_statuses or [])) if p.status else 0,
+            }
+            for p in pods.items
+        }
+        return {
+            "job": name,
+            "phase": data.get("phase", "Unknown"),
+            "message": data.get("message", ""),
+            "membership_version": int(data.get("membership_version", "0") or 0),
+            "restarts": int(data.get("restarts", "0") or 0),
+            "workers": json.loads(data.get("workers", "{}") or "{}"),
+            "pods": live,
+        }
+
+    def logs(self, name: str, namespace: str, worker: Optional[int] = None, tail: Optional[int] = None) -> str:
+        """The log of the master (default) or of worker pod ``worker``."""
+        from kubernetes.client.exceptions import ApiException
+
+        pod = f"{name}-master" if worker is None else f"{name}-worker-{worker}"
+        kwargs = {"tail_lines": tail} if tail else {}
+        try:
+            return self.core.read_namespaced_pod_log(pod, namespace, **kwargs)
+        except ApiException as e:
+            if e.status == 404:
+                raise ConfigError(f"no pod {pod!r} in namespace {namespace!r}") from None
+            raise _explain(e, "get", "pods/log", namespace) from None
+
+    def delete(self, name: str, namespace: str) -> int:
+        """Deletes every object of the job; returns how many were deleted (0: no such job)."""
+        from kubernetes.client.exceptions import ApiException
+
+        selector = f"{manifests.INSTANCE_LABEL}={name},{manifests.NAME_LABEL}={manifests.APP}"
+        listers = {
+            "Pod": self.core.list_namespaced_pod,
+            "Service": self.core.list_namespaced_service,
+            "Secret": self.core.list_namespaced_secret,
+            "ConfigMap": self.core.list_namespaced_config_map,
+            "RoleBinding": self.rbac.list_namespaced_role_binding,
+            "Role": self.rbac.list_namespaced_role,
+            "ServiceAccount": self.core.list_namespaced_service_account,
+        }
+        deleted = 0
+        for kind, lister in listers.items():
+            try:
+                items = lister(namespace, label_selector=selector).items
+            except ApiException as e:
+                raise _explain(e, "list", f"{kind.lower()}s", namespace) from None
+            self._delete_objects(namespace, [{"kind": kind, "metadata": {"name": i.metadata.name}} for i in items])
+            deleted += len(items)
+        return deleted
+
+
+def format_status(status: dict) -> str:
+    """``k8s status`` output, like kubectl's tables."""
+    lines = [
+        f"job {status['job']}: {status['phase']} ({status['message']})",
+        f"membership version {status['membership_version']}, {status['restarts']} worker restart(s)",
+        f"{'POD':<40} {'PHASE':<12} {'RESTARTS':<9} {'EXIT':<5} REASON",
+    ]
+    names = sorted(set(status["workers"]) | set(status["pods"]))
+    for name in names:
+        worker = status["workers"].get(name, {})
+        pod = status["pods"].get(name, {})
+        phase = pod.get("phase") or worker.get("phase", "Deleted")
+        exit_code = worker.get("exit_code")
+        lines.append(
+            f"{name:<40} {phase:<12} {pod.get('restarts', 0):<9} {'' if exit_code is None else exit_code!s:<5} "
+            f"{worker.get('reason', '')}"
+        )
+    return "\n".join(lines)

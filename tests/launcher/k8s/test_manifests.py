@@ -1,0 +1,117 @@
+"""The job's Kubernetes objects: valid against the OpenAPI schemas, least privilege, secrets by reference."""
+
+import base64
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from elasticdl_strategy.launcher.k8s import manifests
+from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
+
+# Kubernetes versions the manifests are checked against (native gRPC probes need 1.24+).
+VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+
+FULL = K8sJobConfig(
+    name="mnist",
+    image="registry.example.com/edl:0.1",
+    command=("python", "train.py", "--epochs", "3"),
+    workers=3,
+    min_workers=2,
+    max_workers=4,
+    namespace="ml",
+    cpu="2",
+    memory="4Gi",
+    gpu=1,
+    env=(("LOG_LEVEL", "info"),),
+    max_restarts=5,
+    priority_class="high-priority",
+)
+MINIMAL = K8sJobConfig(name="a", image="edl", command=("python", "x.py"), workers=1)
+
+
+def all_objects(config):
+    worker = manifests.worker_pod(config, 7, "10.1.2.3:50051", {"name": config.master_name, "uid": "1234-abcd"})
+    return manifests.job_objects(config, "t" * 43) + [worker]
+
+
+@pytest.mark.parametrize("config", [FULL, MINIMAL], ids=["full", "minimal"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_object_validates_against_the_kubernetes_schema(config, version):
+    for obj in all_objects(config):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_printed_manifest_is_what_submit_creates_and_validates():
+    result = subprocess.run(
+        [sys.executable, "-m", "elasticdl_strategy", "k8s", "manifest", *FULL.job_flags(), "--", *FULL.command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    documents = list(yaml.safe_load_all(result.stdout))
+    assert [d["kind"] for d in documents] == [o["kind"] for o in manifests.job_objects(FULL, "x")]
+    for document in documents:
+        kubernetes_validate.validate(document, VERSIONS[-1], strict=True)
+
+
+def test_the_master_may_do_only_what_it_needs():
+    rules = manifests.role(FULL)["rules"]
+    assert rules == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["mnist-status"],
+            "verbs": ["get", "update", "patch"],
+        },
+    ]
+    binding = manifests.role_binding(FULL)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mnist-master", "namespace": "ml"}]
+    assert manifests.master_pod(FULL)["spec"]["serviceAccountName"] == "mnist-master"
+
+
+def test_the_token_lives_in_a_secret_and_pods_reference_it():
+    secret = manifests.token_secret(FULL, "s3cret-token")
+    assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret-token"
+    for pod in (manifests.master_pod(FULL), manifests.worker_pod(FULL, 0, "h:1", {"name": "m", "uid": "u"})):
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["EDL_JOB_TOKEN"] == {
+            "name": "EDL_JOB_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "mnist-token", "key": "token"}},
+        }
+        assert "s3cret-token" not in yaml.safe_dump(pod)
+
+
+def test_worker_pods_are_labelled_owned_probed_and_sized():
+    pod = manifests.worker_pod(FULL, 7, "10.1.2.3:50051", {"name": "mnist-master", "uid": "1234-abcd"})
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "mnist-worker-7"
+    assert meta["labels"]["app.kubernetes.io/name"] == "elasticdl-strategy"
+    assert meta["labels"]["app.kubernetes.io/instance"] == "mnist"
+    assert meta["labels"]["app.kubernetes.io/component"] == "worker"
+    assert meta["labels"]["elasticdl-strategy/worker-id"] == "7"
+    assert meta["ownerReferences"][0]["uid"] == "1234-abcd" and meta["ownerReferences"][0]["controller"]
+    container = spec["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EDL_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # downward API
+    assert env["EDL_ADVERTISE_HOST"]["value"] == "$(EDL_POD_IP)"
+    assert env["EDL_WORKER_ID"]["value"] == "worker-7" and env["LOG_LEVEL"]["value"] == "info"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50052}
+    assert container["resources"]["limits"] == {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": "1"}
+    assert spec["terminationGracePeriodSeconds"] == 60 and spec["restartPolicy"] == "Never"
+    assert spec["priorityClassName"] == "high-priority"
+    assert container["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
+
+
+def test_the_master_service_is_headless_and_selects_the_master():
+    service = manifests.master_service(FULL)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {
+        "app.kubernetes.io/instance": "mnist",
+        "app.kubernetes.io/component": "master",
+    }

@@ -1,0 +1,176 @@
+"""The pod manager's policy, driven by watch events built with the official client's models."""
+
+import json
+
+import pytest
+from kubernetes.client import (
+    V1ContainerState,
+    V1ContainerStateTerminated,
+    V1ContainerStatus,
+    V1ListMeta,
+    V1ObjectMeta,
+    V1Pod,
+    V1PodList,
+    V1PodStatus,
+)
+
+from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
+from elasticdl_strategy.launcher.k8s.pod_manager import PodManager, WorkerPod, decide
+
+
+class FakeCoreApi:
+    """Records what the manager asks of the API."""
+
+    def __init__(self):
+        self.created, self.deleted, self.status = [], [], {}
+
+    def create_namespaced_pod(self, namespace, body):
+        self.created.append(body["metadata"]["name"])
+
+    def delete_namespaced_pod(self, name, namespace, **kwargs):
+        self.deleted.append(name)
+
+    def list_namespaced_pod(self, namespace, label_selector=None):
+        return V1PodList(items=[], metadata=V1ListMeta(resource_version="1"))
+
+    def patch_namespaced_config_map(self, name, namespace, body):
+        self.status = body["data"]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None):
+    index = name.rsplit("-", 1)[1]
+    statuses = None
+    if exit_code is not None:
+        terminated = V1ContainerStateTerminated(exit_code=exit_code, reason=reason)
+        statuses = [
+            V1ContainerStatus(
+                name="worker",
+                image="i",
+                image_id="",
+                ready=False,
+                restart_count=0,
+                state=V1ContainerState(terminated=terminated),
+            )
+        ]
+    return V1Pod(
+        metadata=V1ObjectMeta(name=name, resource_version=str(rv), labels={"elasticdl-strategy/worker-id": index}),
+        status=V1PodStatus(phase=phase, container_statuses=statuses, reason=status_reason),
+    )
+
+
+def manager(workers=3, min_workers=2, max_restarts=2, **kwargs):
+    config = K8sJobConfig(
+        name="job", image="edl", command=("python", "t.py"), workers=workers, min_workers=min_workers,
+        max_restarts=max_restarts, **kwargs,
+    )  # fmt: skip
+    api, clock = FakeCoreApi(), Clock()
+    m = PodManager(api, config, {"name": "job-master", "uid": "u"}, "10.0.0.1:50051", clock=clock)
+    m.start()
+    return m, api, clock
+
+
+@pytest.mark.parametrize(
+    "state, action",
+    [
+        (dict(phase="Succeeded", exit_code=0), "finished"),
+        (dict(phase="Failed", exit_code=137, reason="OOMKilled"), "failed"),
+        (dict(phase="Failed", exit_code=1), "failed"),
+        (dict(phase="Failed", exit_code=127), "failed"),
+        (dict(phase="Failed", exit_code=137), "relaunch"),  # SIGKILL
+        (dict(phase="Failed", exit_code=143), "relaunch"),  # SIGTERM
+        (dict(phase="Failed", reason="Evicted"), "relaunch"),
+        (dict(phase="Running", deleted=True), "relaunch"),
+    ],
+)
+def test_decide(state, action):
+    assert decide(WorkerPod(0, "job-worker-0", **state), relaunch_on_error=False) == action
+
+
+def test_relaunch_on_error_relaunches_program_errors_too():
+    assert decide(WorkerPod(0, "w", phase="Failed", exit_code=1), relaunch_on_error=True) == "relaunch"
+    assert (
+        decide(WorkerPod(0, "w", phase="Failed", exit_code=137, reason="OOMKilled"), relaunch_on_error=True)
+        == "relaunch"
+    )
+
+
+def test_a_deleted_worker_is_relaunched_under_a_new_id_after_a_backoff():
+    m, api, clock = manager()
+    assert api.created == ["job-worker-0", "job-worker-1", "job-worker-2"]
+    m.apply("ADDED", pod("job-worker-1", 5, "Running"))
+    m.apply("DELETED", pod("job-worker-1", 9, "Running"))
+    m.relaunch_due()
+    assert len(api.created) == 3  # the backoff has not passed
+    clock.now += 1.5
+    m.relaunch_due()
+    assert api.created[-1] == "job-worker-3" and m.restarts == 1
+    assert m.check_outcome() is None
+
+
+def test_duplicate_and_out_of_order_events_change_nothing():
+    m, api, clock = manager()
+    m.apply("MODIFIED", pod("job-worker-0", 10, "Failed", exit_code=137))
+    m.apply("MODIFIED", pod("job-worker-0", 10, "Failed", exit_code=137))  # duplicate
+    m.apply("MODIFIED", pod("job-worker-0", 7, "Running"))  # older, arrives late
+    m.apply("DELETED", pod("job-worker-0", 11, "Failed", exit_code=137))
+    assert len(m.pending_relaunches) == 1 and m.pods["job-worker-0"].phase == "Failed"
+
+
+def test_pending_then_failed_without_running_is_handled():
+    m, api, clock = manager()
+    m.apply("ADDED", pod("job-worker-2", 3, "Pending"))
+    m.apply("MODIFIED", pod("job-worker-2", 4, "Failed", exit_code=2))
+    assert m.failures and "job-worker-2 exited with code 2" in m.failures[0]
+    assert not m.pending_relaunches
+
+
+def test_a_program_error_is_not_relaunched_and_fails_the_job_below_min_workers():
+    m, api, clock = manager(workers=2, min_workers=2)
+    m.apply("MODIFIED", pod("job-worker-0", 4, "Failed", exit_code=1))
+    outcome = m.check_outcome()
+    assert outcome.phase == "Failed"
+    assert "fewer than --min-workers=2" in outcome.message and "job-worker-0 exited with code 1" in outcome.message
+    assert "--relaunch-on-error" in outcome.message
+
+
+def test_an_oom_kill_says_to_raise_memory():
+    m, api, clock = manager(workers=1, min_workers=1)
+    m.apply("MODIFIED", pod("job-worker-0", 4, "Failed", exit_code=137, reason="OOMKilled"))
+    assert "OOMKilled" in m.failures[0] and "raise --memory" in m.failures[0]
+
+
+def test_the_restart_budget_is_enforced_with_doubling_backoff():
+    m, api, clock = manager(workers=2, min_workers=2, max_restarts=2)
+    delays = []
+    for rv, name in enumerate(["job-worker-0", "job-worker-2", "job-worker-3"], start=10):
+        m.apply("DELETED", pod(name, rv, "Running"))
+        if m.pending_relaunches:
+            delays.append(m.pending_relaunches[-1] - clock.now)
+        clock.now += 100
+        m.relaunch_due()
+    assert delays == [1.0, 2.0]
+    assert api.created == ["job-worker-0", "job-worker-1", "job-worker-2", "job-worker-3"]
+    outcome = m.check_outcome()
+    assert outcome.phase == "Failed" and "restart budget spent" in outcome.message
+
+
+def test_the_job_succeeds_when_training_finished_and_every_worker_ended():
+    m, api, clock = manager()
+    m.apply("MODIFIED", pod("job-worker-0", 20, "Succeeded", exit_code=0))
+    assert m.check_outcome() is None  # others still running
+    m.apply("DELETED", pod("job-worker-1", 21, "Running"))  # not replaced once training is done
+    m.apply("MODIFIED", pod("job-worker-2", 22, "Succeeded", exit_code=0))
+    assert not m.pending_relaunches
+    m.outcome = m.check_outcome()
+    assert m.outcome.phase == "Succeeded"
+    m.write_status()
+    assert api.status["phase"] == "Succeeded"
+    assert json.loads(api.status["workers"])["job-worker-0"]["exit_code"] == 0
