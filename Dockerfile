@@ -18,6 +18,8 @@ RUN mkdir elasticdl_strategy && touch elasticdl_strategy/__init__.py \
 
 COPY elasticdl_strategy ./elasticdl_strategy
 RUN pip install --no-deps . && rm -rf build ./*.egg-info
+# The examples, so that the image can run them as they are (see README, Kubernetes).
+COPY examples ./examples
 
 RUN useradd --create-home --uid 10001 edl
 USER 10001

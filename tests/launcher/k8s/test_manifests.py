@@ -115,3 +115,19 @@ def test_the_master_service_is_headless_and_selects_the_master():
         "app.kubernetes.io/instance": "mnist",
         "app.kubernetes.io/component": "master",
     }
+
+
+def test_the_rendered_example_in_examples_k8s_validates():
+    import glob
+    import os
+
+    from tests.launch import REPO_ROOT
+
+    paths = glob.glob(os.path.join(REPO_ROOT, "examples", "k8s", "*.yaml"))
+    assert paths
+    for path in paths:
+        with open(path) as f:
+            documents = list(yaml.safe_load_all(f))
+        assert {d["kind"] for d in documents} >= {"Pod", "Secret", "Service", "Role", "RoleBinding", "ServiceAccount"}
+        for document in documents:
+            kubernetes_validate.validate(document, VERSIONS[-1], strict=True)
