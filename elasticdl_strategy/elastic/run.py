@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -16,6 +17,7 @@ from elasticdl_strategy.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     CommunicationError,
+    JobFinished,
     MembershipChangedInterrupt,
     PeerFailureError,
 )
@@ -63,56 +65,75 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
         worker = collective.current_worker()
         with _leave_on_sigterm(state):
             first_entry = True
-            recovery_started: Optional[float] = None
-            rolled_back = False
+            reset: Optional[_Reset] = None
             while True:
                 try:
-                    if first_entry:
-                        first_entry = False
+                    if reset is not None:
+                        _recover(worker, state, reset)
+                    elif first_entry:
                         # Rank 0 is a fresh process only when no member of a previous membership
                         # survives (a new job, or one started again after all workers died).
                         if worker.communicator.rank == 0:
                             state.load_checkpoint()
+                    first_entry = False
                     state.sync()
-                    if recovery_started is not None:
+                    if reset is not None:
                         state.on_reset()
-                        logger.warning(
-                            "worker %s: training continues as rank %d of %d at commit #%d%s, %.2fs after the %s",
-                            worker.worker_id,
-                            worker.communicator.rank,
-                            worker.communicator.size,
-                            state.commit_id,
-                            _where(state),
-                            time.monotonic() - recovery_started,
-                            "failure (rolled back)" if rolled_back else "membership change",
-                        )
-                        recovery_started = None
+                        _log_recovered(worker, state, reset)
+                        reset = None
                     return func(state, *args, **kwargs)
                 except WorkerLeft:
-                    logger.warning(
-                        "worker %s: left the job gracefully at commit #%d", worker.worker_id, state.commit_id
-                    )
-                    collective.shutdown(finished=False)
-                    sys.exit(0)
+                    _exit(f"left the job gracefully at commit #{state.commit_id}")
+                except JobFinished:  # evicted (say, after hanging) while the others finished without it
+                    _exit("the job finished without this worker; exiting")
                 except MembershipChangedInterrupt as change:
-                    recovery_started = recovery_started or time.monotonic()
-                    rolled_back = False
-                    worker.reform(str(change), failed=False)
+                    reset = _Reset(str(change), failed=False, started=reset.started if reset else time.monotonic())
                 except Exception as error:  # noqa: BLE001 - classified below, re-raised unless recoverable
                     failure = _recoverable_failure(error, worker)
                     if failure is None:
                         raise
-                    recovery_started = recovery_started or time.monotonic()
-                    rolled_back = True
                     logger.warning(
-                        "worker %s: %s: re-forming and rolling back to the last commit",
-                        worker.worker_id,
-                        failure,
+                        "worker %s: %s: re-forming and rolling back to the last commit", worker.worker_id, failure
                     )
-                    worker.reform(str(failure), failed=True, suspects=_suspects(failure, worker))
-                    state.restore(worker.client.last_commit().commit_id)
+                    started = reset.started if reset else time.monotonic()
+                    reset = _Reset(str(failure), failed=True, started=started, suspects=_suspects(failure, worker))
 
     return wrapper
+
+
+@dataclasses.dataclass
+class _Reset:
+    """A re-formation to do: after a failure (roll back) or at a membership switch (no rollback)."""
+
+    reason: str
+    failed: bool
+    started: float
+    suspects: List[str] = dataclasses.field(default_factory=list)
+
+
+def _recover(worker, state: State, reset: _Reset) -> None:
+    worker.reform(reset.reason, failed=reset.failed, suspects=reset.suspects)
+    if reset.failed:
+        state.restore(worker.client.last_commit().commit_id)
+
+
+def _log_recovered(worker, state: State, reset: _Reset) -> None:
+    logger.warning(
+        "worker %s: training continues as rank %d of %d at commit #%d%s, %.2fs after the %s",
+        worker.worker_id,
+        worker.communicator.rank,
+        worker.communicator.size,
+        state.commit_id,
+        _where(state),
+        time.monotonic() - reset.started,
+        "failure (rolled back)" if reset.failed else "membership change",
+    )
+
+
+def _exit(message: str) -> None:
+    logger.warning("worker %s: %s", collective.current_worker().worker_id, message)
+    collective.shutdown(finished=False)
+    sys.exit(0)
 
 
 def _where(state: State) -> str:

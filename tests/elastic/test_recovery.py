@@ -158,6 +158,7 @@ def test_sigstopped_worker_is_evicted_and_the_job_continues(tmp_path):
         job.kill()
     assert "missed heartbeats" in err
     assert code == 0, err[-3000:]
+    assert "the job finished without this worker; exiting" in out + err
 
 
 def test_all_workers_killed_then_the_job_resumes_from_the_checkpoint(tmp_path):
