@@ -9,7 +9,8 @@ optional: kill {worker_id: step} (SIGKILL itself before that step), stop
 {worker_id: step} (SIGSTOP itself), term {worker_id: step} (SIGTERM itself), kill_in_sync {worker_id: n} (SIGKILL itself
 at the start of its n-th sync), kill_all_at (every worker dies at that step),
 checkpoint_dir, keras (train with model.fit instead of a custom loop), hold
-{at_step, size} (at that step, commit until the job has that many workers).
+{at_step, size, version} (at that step, commit until the job has that many
+workers, in a membership of at least that version), exit {worker: step} (exit 1).
 """
 
 import json
@@ -83,9 +84,15 @@ def before_step():
     if hold and step == hold["at_step"]:
         # Commit (nothing else) until the job has grown to hold["size"] workers: joins happen at commits.
         deadline = time.monotonic() + 60
-        while collective.size() < hold["size"] and time.monotonic() < deadline:
+        version = hold.get("version", 0)
+        while (collective.size() < hold["size"] or collective.current_worker().membership.version < version) and (
+            time.monotonic() < deadline
+        ):
             state.commit()
             time.sleep(0.05)
+    if targeted(config.get("exit", {}), step):
+        print(f"{worker_id}: exiting with code 1 before step {step}", flush=True)
+        os._exit(1)
     if targeted(config.get("term", {}), step):
         die(signal.SIGTERM, f"sending myself SIGTERM before step {step}")
     if collective.rank() == 0:

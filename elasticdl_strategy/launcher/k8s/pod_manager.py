@@ -47,12 +47,13 @@ class WorkerPod:
     exit_code: Optional[int] = None
     reason: str = ""
     resource_version: int = -1
-    deleted: bool = False
+    deleted: bool = False  # deleted or being deleted
+    gone: bool = False  # the DELETED event arrived
     handled: bool = False  # its end was acted upon (relaunched, accepted or reported)
 
     @property
     def ended(self) -> bool:
-        return self.deleted or self.phase in ("Succeeded", "Failed")
+        return self.phase in ("Succeeded", "Failed") or (self.deleted and self.gone)
 
     def describe(self) -> str:
         if self.exit_code is not None:
@@ -64,6 +65,12 @@ class WorkerPod:
 
 def decide(pod: WorkerPod, relaunch_on_error: bool) -> str:
     """What to do about an ended worker: ``"finished"``, ``"relaunch"`` or ``"failed"``."""
+    if (
+        pod.deleted
+        and pod.reason != "OOMKilled"
+        and (pod.exit_code is None or pod.exit_code == 0 or pod.exit_code >= 128)
+    ):
+        return "relaunch"  # deleted, evicted or preempted (a graceful leave exits 0)
     if pod.phase == "Succeeded" or pod.exit_code == 0:
         return "finished"
     if pod.reason == "OOMKilled":
@@ -177,6 +184,10 @@ class PodManager:
                         terminated.reason if terminated.reason not in (None, "Error", "Completed") else pod.reason
                     )
         if kind == "DELETED":
+            pod.gone = True
+        if kind == "DELETED" or obj.metadata.deletion_timestamp is not None:
+            # Deleted (or being deleted: the worker may leave gracefully and exit 0 on the SIGTERM,
+            # which must not read as the end of training).
             pod.deleted = True
         self._act_on(pod)
 
@@ -314,7 +325,7 @@ class PodManager:
             self.apply("MODIFIED", item)
         for pod in self.pods.values():
             if pod.name not in present and not pod.ended:
-                pod.deleted = True  # deleted while we were not watching
+                pod.deleted = pod.gone = True  # deleted while we were not watching
                 self._act_on(pod)
         self._resource_version = listed.metadata.resource_version
 
@@ -323,7 +334,7 @@ class PodManager:
         from kubernetes.client.exceptions import ApiException
 
         for pod in self.pods.values():
-            if not pod.deleted:
+            if not pod.gone:
                 try:
                     self.api.delete_namespaced_pod(pod.name, self.config.namespace, grace_period_seconds=0)
                 except ApiException as e:

@@ -1,5 +1,6 @@
 """The pod manager's policy, driven by watch events built with the official client's models."""
 
+import datetime
 import json
 
 import pytest
@@ -45,7 +46,7 @@ class Clock:
         return self.now
 
 
-def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None):
+def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None, deleting=False):
     index = name.rsplit("-", 1)[1]
     statuses = None
     if exit_code is not None:
@@ -61,7 +62,12 @@ def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None):
             )
         ]
     return V1Pod(
-        metadata=V1ObjectMeta(name=name, resource_version=str(rv), labels={"elasticdl-strategy/worker-id": index}),
+        metadata=V1ObjectMeta(
+            name=name,
+            resource_version=str(rv),
+            labels={"elasticdl-strategy/worker-id": index},
+            deletion_timestamp=datetime.datetime.now(datetime.timezone.utc) if deleting else None,
+        ),
         status=V1PodStatus(phase=phase, container_statuses=statuses, reason=status_reason),
     )
 
@@ -174,3 +180,12 @@ def test_the_job_succeeds_when_training_finished_and_every_worker_ended():
     m.write_status()
     assert api.status["phase"] == "Succeeded"
     assert json.loads(api.status["workers"])["job-worker-0"]["exit_code"] == 0
+
+
+def test_a_deleted_worker_that_leaves_gracefully_with_exit_0_is_replaced_not_taken_for_the_end():
+    m, api, clock = manager()
+    m.apply("MODIFIED", pod("job-worker-1", 5, "Running", deleting=True))  # kubectl delete: SIGTERM
+    assert not m.pending_relaunches  # still leaving
+    m.apply("MODIFIED", pod("job-worker-1", 6, "Succeeded", exit_code=0, deleting=True))
+    m.apply("DELETED", pod("job-worker-1", 7, "Succeeded", exit_code=0, deleting=True))
+    assert not m.finished and len(m.pending_relaunches) == 1
