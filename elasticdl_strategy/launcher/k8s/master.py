@@ -67,11 +67,8 @@ def run_master(config: K8sJobConfig, api=None) -> int:
 
 
 def core_api():
-    """A CoreV1Api from the in-cluster service account, or the local kubeconfig."""
+    """A CoreV1Api from ``$KUBECONFIG`` if set, else the pod's service account (in-cluster)."""
     from kubernetes import client, config
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    config.load_config()
     return client.CoreV1Api()
