@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List, NoReturn, Optional
+from typing import List, NoReturn, Optional, Tuple
 
 from elasticdl_strategy.errors import ConfigError
 
@@ -23,6 +23,14 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def split_command(argv: List[str]) -> Tuple[List[str], List[str]]:
+    """``[options..., "--", command...]`` to ``(options, command)``."""
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -60,11 +68,7 @@ def _run(argv: List[str]) -> int:
     from elasticdl_strategy.transport.options import TLSConfig
 
     parser = _run_parser()
-    if "--" in argv:
-        split = argv.index("--")
-        options, command = argv[:split], argv[split + 1 :]
-    else:
-        options, command = argv, []
+    options, command = split_command(argv)
     args = parser.parse_args(options)
     try:
         tls = None

@@ -53,13 +53,10 @@ def _job_parser(command: str) -> argparse.ArgumentParser:
 
 
 def _config(parser: argparse.ArgumentParser, argv: List[str]):
+    from elasticdl_strategy.cli import split_command
     from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig, parse_env
 
-    if "--" in argv:
-        split = argv.index("--")
-        options, command = argv[:split], argv[split + 1 :]
-    else:
-        options, command = argv, []
+    options, command = split_command(argv)
     args = parser.parse_args(options)
     try:
         config = K8sJobConfig(
