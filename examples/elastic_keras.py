@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--batches-per-commit", type=int, default=10)
     parser.add_argument("--checkpoint-dir", help="durable checkpoints (a shared directory on a cluster)")
+    parser.add_argument("--commits-per-checkpoint", type=int, default=5)
     return parser.parse_args()
 
 
@@ -50,7 +51,9 @@ def main() -> int:
         )
     features, labels = (tf.constant(a) for a in make_data(args.samples, seed=1))
     records = data.ElasticRecords(num_records=args.samples, batch_size=args.batch_per_worker, seed=0)
-    state = elastic.KerasState(model, records=records, checkpoint_dir=args.checkpoint_dir)
+    state = elastic.KerasState(
+        model, records=records, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.commits_per_checkpoint
+    )
     state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(base_lr * collective.size())])
 
     @elastic.run

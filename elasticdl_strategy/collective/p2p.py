@@ -155,7 +155,9 @@ class PointToPoint:
         self.abort_observer: Optional[Callable[[peer_pb2.AbortRequest], None]] = None
         self.failure_observer: Optional[Callable[[int, str, bool], None]] = None
         self.mailbox = Mailbox(rank)
-        self._lock = threading.Lock()
+        # Reentrant: a stream to a dead peer can fail while it is being opened under the lock,
+        # and its failure callback (peer_failed) then runs in this same thread.
+        self._lock = threading.RLock()
         self._channels: Dict[int, grpc.Channel] = {}
         self._streams: Dict[int, OutboundStream] = {}
         self._send_sequence: Dict[tuple, int] = {}

@@ -17,6 +17,7 @@ from elasticdl_strategy.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     CommunicationError,
+    ElasticDLError,
     JobFinished,
     MembershipChangedInterrupt,
     PeerFailureError,
@@ -164,6 +165,8 @@ def _recoverable_failure(error: BaseException, worker) -> Optional[Communication
             return None
         if isinstance(cause, CommunicationError):
             return cause
+        if isinstance(cause, ElasticDLError):
+            return None  # e.g. RendezvousTimeoutError: too few workers left; re-forming again won't help
     failure = worker.communicator.failure
     if failure is not None and not isinstance(failure, CollectiveMismatchError):
         return failure

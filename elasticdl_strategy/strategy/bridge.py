@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import collective
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import CommunicationError, ConfigError
 from elasticdl_strategy.strategy.tf_compat import control_flow_util, ops
 
 
@@ -44,6 +44,19 @@ def allreduce_arrays(arrays: Sequence[np.ndarray], op: str, timeout: Optional[fl
     return results
 
 
+def _briefly(function):
+    """Raises communication errors without the stack of the ring: TensorFlow logs the stack of
+    every exception raised in a ``numpy_function``, and a peer's failure needs no 30-frame trace."""
+
+    def call(*args):
+        try:
+            return function(*args)
+        except CommunicationError as error:
+            raise error.with_traceback(None) from None
+
+    return call
+
+
 def _check_not_xla() -> None:
     if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
         raise ConfigError(
@@ -62,7 +75,7 @@ def all_reduce_tensors(tensors: Sequence[tf.Tensor], op: str, timeout: Optional[
         return [tf.convert_to_tensor(a) for a in allreduce_arrays([t.numpy() for t in tensors], op, timeout)]
     _check_not_xla()
     outputs = tf.numpy_function(
-        lambda *arrays: allreduce_arrays(arrays, op, timeout),
+        _briefly(lambda *arrays: allreduce_arrays(arrays, op, timeout)),
         tensors,
         [t.dtype for t in tensors],
         stateful=True,
@@ -86,7 +99,7 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = N
     if tf.executing_eagerly():
         return tf.convert_to_tensor(gather(tensor.numpy()))
     _check_not_xla()
-    output = tf.numpy_function(gather, [tensor], tensor.dtype, stateful=True, name="elasticdl_allgather")
+    output = tf.numpy_function(_briefly(gather), [tensor], tensor.dtype, stateful=True, name="elasticdl_allgather")
     shape = tensor.shape.as_list()
     if shape:
         shape[axis] = None

@@ -136,7 +136,9 @@ def test_sigterm_leaves_gracefully_without_rollback(tmp_path):
 
 
 def test_below_min_workers_training_waits_then_fails_clearly(tmp_path):
-    job = launch(tmp_path, 2, {"kill": {"rank:1": 5}}, ["--min-workers", "2", "--rendezvous-timeout", "4"])
+    # Two of three die at once: the survivor is below --min-workers=2 and waits, then gives up.
+    config = {"kill": {"rank:1": 5, "rank:2": 5}}
+    job = launch(tmp_path, 3, config, ["--min-workers", "2", "--rendezvous-timeout", "4"])
     code, out, err = finish(job)
     assert code != 0
     assert "RendezvousTimeoutError" in err and "at least 2 needed" in err

@@ -29,6 +29,7 @@ out_dir, config = sys.argv[1], json.loads(sys.argv[2])
 worker_id = os.environ["EDL_WORKER_ID"]
 num_records, epochs = config["records"], config["epochs"]
 
+print(f"{worker_id}: starting", flush=True)
 strategy = AllReduceStrategy(timeout=config.get("timeout", 20))
 with strategy.scope():
     counts = tf.Variable(tf.zeros([num_records], tf.float32), name="counts")

@@ -74,6 +74,60 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _LABEL_KEY = r"[A-Za-z0-9][-A-Za-z0-9_./]*"
+_ALNUM_ENDS = "and must start and end with an alphanumeric character"
+_RBAC_NAME = re.compile(r"[^/%]+")
+_NAME_RULES: dict[str, tuple[re.Pattern[str], int, str]] = {
+    "namespaces": (
+        _DNS_LABEL,
+        63,
+        f"a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', {_ALNUM_ENDS}",
+    ),
+    "services": (
+        _DNS_1035_LABEL,
+        63,
+        "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+        "character, and end with an alphanumeric character",
+    ),
+    "roles": (_RBAC_NAME, 253, "may not contain '/' or '%'"),
+    "rolebindings": (_RBAC_NAME, 253, "may not contain '/' or '%'"),
+    "*": (
+        _DNS_SUBDOMAIN,
+        253,
+        f"a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', {_ALNUM_ENDS}",
+    ),
+}
+_MSG_LABEL_KEY = f"name part must consist of alphanumeric characters, '-', '_' or '.', {_ALNUM_ENDS}"
+_MSG_LABEL_VALUE = (
+    f"a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', {_ALNUM_ENDS}"
+)
+_MSG_UNSCHEDULABLE = (
+    "0/1 nodes are available: 1 Too many pods. "
+    "preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod."
+)
+_MSG_POD_UPDATE = (
+    "Forbidden: pod updates may not change fields other than `spec.containers[*].image`,"
+    "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing "
+    "tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)"
+)
+_MSG_CONTINUE_EXPIRED = (
+    "The provided continue parameter is too old to display a consistent list result. You can start a new list "
+    "without the continue parameter, or use the continue token in this response to retrieve the remainder of the "
+    "results."
+)
+_MSG_NO_RESOURCE = "the server could not find the requested resource"
+_POD_SPEC_DEFAULTS: Obj = {
+    "restartPolicy": "Always", "terminationGracePeriodSeconds": 30, "dnsPolicy": "ClusterFirst",
+    "schedulerName": "default-scheduler", "securityContext": {}, "enableServiceLinks": True, "priority": 0,
+    "preemptionPolicy": "PreemptLowerPriority",
+}  # fmt: skip
+_SERVICE_SPEC_DEFAULTS: Obj = {
+    "type": "ClusterIP", "sessionAffinity": "None", "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+    "internalTrafficPolicy": "Cluster",
+}  # fmt: skip
+_VERSION: Obj = {
+    "major": "1", "minor": "33", "gitVersion": "v1.33.0-emulator", "gitCommit": "emulator", "gitTreeState": "clean",
+    "buildDate": "2025-01-01T00:00:00Z", "goVersion": "go1.24", "compiler": "gc", "platform": "linux/amd64",
+}  # fmt: skip
 _PATCH_TYPES = (
     "application/json-patch+json",
     "application/merge-patch+json",
@@ -170,13 +224,24 @@ def bad_request(message: str) -> ApiError:
 
 def invalid(rt: ResourceType, name: str, path: str, detail: str, cause: str = "FieldValueInvalid") -> ApiError:
     kind = rt.kind if not rt.group else f"{rt.kind}.{rt.group}"
-    details = {"name": name, "group": rt.group, "kind": rt.kind, "causes": [{"reason": cause, "message": detail, "field": path}]}  # fmt: skip
+    details = {
+        "name": name,
+        "group": rt.group,
+        "kind": rt.kind,
+        "causes": [{"reason": cause, "message": detail, "field": path}],
+    }
     return ApiError(422, "Invalid", f'{kind} "{name}" is invalid: {path}: {detail}', details)
+
+
+def required(rt: ResourceType, name: str, path: str, what: str = "Required value") -> ApiError:
+    return invalid(rt, name, path, what, "FieldValueRequired")
 
 
 def conflict(rt: ResourceType, name: str, why: str | None = None) -> ApiError:
     why = why or "the object has been modified; please apply your changes to the latest version and try again"
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {rt.qualified} "{name}": {why}', _details(rt, name))  # fmt: skip
+    return ApiError(
+        409, "Conflict", f'Operation cannot be fulfilled on {rt.qualified} "{name}": {why}', _details(rt, name)
+    )
 
 
 class ContainerConfigError(Exception):
@@ -424,6 +489,7 @@ class Store:
         self.cond.notify_all()
 
     def compact(self) -> None:
+        """Forgets the history: watches can then start only from the current resourceVersion."""
         with self.lock:
             self.history.clear()
             self.floor = self.rv
@@ -525,6 +591,7 @@ class PodRunner:
         self._notify()
 
     def simulate_oom(self) -> None:
+        """SIGKILLs the running container, to be reported as OOMKilled."""
         with self.proc_lock:
             if self.proc is None or self.proc.poll() is not None:
                 raise LookupError(f"pod {self.key[1]}/{self.key[2]} has no running container")
@@ -533,11 +600,13 @@ class PodRunner:
         self._notify()
 
     def evict(self) -> None:
+        """Kills the container (if any) for good: the pod ends Failed, reason Evicted."""
         self.evicted = True
         self._kill(signal.SIGKILL)
         self._notify()
 
     def pid(self) -> int | None:
+        """The pid of the running container process, if any."""
         with self.proc_lock:
             return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
 
@@ -635,8 +704,11 @@ class PodRunner:
                 config = self._prepare()
                 if config is None:
                     break
-                term = self._run_container(*config)
-                if term is None or self._stopped():
+                result = self._run_container(*config)
+                if result is None:
+                    break
+                term = result
+                if self._stopped():
                     break
                 with self.store.lock:
                     pod = self._pod()
@@ -678,10 +750,13 @@ class PodRunner:
                     self._mutate(lambda pod, ip=ip: self._bind(pod, ip))
                     return True
                 if not marked:
-                    message = "0/1 nodes are available: 1 Too many pods. preemption: 0/1 nodes are available: 1 No preemption victims found for incoming pod."  # fmt: skip
-                    self._mutate(lambda pod, m=message: _set_condition(pod.setdefault("status", {}), "PodScheduled", False, "Unschedulable", m))  # fmt: skip
+                    self._mutate(self._unschedulable)
                     marked = True
                 self.store.cond.wait(0.1)
+
+    @staticmethod
+    def _unschedulable(pod: Obj) -> None:
+        _set_condition(pod.setdefault("status", {}), "PodScheduled", False, "Unschedulable", _MSG_UNSCHEDULABLE)
 
     def _bind(self, pod: Obj, ip: str) -> None:
         """What the scheduler and the kubelet write once the pod has a node and a sandbox (with its IP)."""
@@ -709,25 +784,30 @@ class PodRunner:
                 self.store.cond.wait(0.1)
 
     def _run_container(self, argv: list[str], env: dict[str, str], cwd: str | None) -> Obj | None:
-        """Runs one attempt to its end; returns its ``terminated`` state, None when the emulator closed."""
+        """Runs one attempt to its end; returns its ``terminated`` state, None when stopped before it started."""
         attempt = _Attempt()
         with self.emu._proc_lock:
-            if self.emu.closed:
+            if self._stopped():
                 return None
             with self.log_cond:
                 self.attempts.append(attempt)
             self.oom = False
             try:
                 proc = subprocess.Popen(
-                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             except OSError as e:
                 with self.log_cond:
                     attempt.done = True
                     self.log_cond.notify_all()
                 now = _now()
-                return {"exitCode": 128, "reason": "StartError", "message": str(e), "startedAt": now, "finishedAt": now}  # fmt: skip
+                return {"exitCode": 128, "reason": "StartError", "message": str(e), "startedAt": now, "finishedAt": now}
             with self.proc_lock:
                 self.proc = proc
         reader = threading.Thread(target=self._read_output, args=(proc, attempt), daemon=True)
@@ -753,6 +833,8 @@ class PodRunner:
             if self.emu.closed:
                 self.kill_now()
                 return None
+            if self.evicted:
+                self._kill(signal.SIGKILL)
             if self.delete_grace is not None:
                 if not signalled:
                     signalled = True
@@ -769,7 +851,13 @@ class PodRunner:
             self.log_cond.notify_all()
         exit_code = returncode if returncode >= 0 else 128 - returncode
         reason = "OOMKilled" if self.oom else ("Completed" if exit_code == 0 else "Error")
-        return {"exitCode": exit_code, "reason": reason, "startedAt": started, "finishedAt": _now(), "containerID": self.container_id}  # fmt: skip
+        return {
+            "exitCode": exit_code,
+            "reason": reason,
+            "startedAt": started,
+            "finishedAt": _now(),
+            "containerID": self.container_id,
+        }
 
     def _read_output(self, proc: subprocess.Popen[bytes], attempt: _Attempt) -> None:
         stream = proc.stdout
@@ -813,7 +901,9 @@ class PodRunner:
             if self.evicted:
                 status.update(phase="Failed", reason="Evicted")
                 status["message"] = "The node was low on resource: memory. Threshold quantity: 100Mi, available: 0Ki. "
-                _set_condition(status, "DisruptionTarget", True, "TerminationByKubelet", "The node was low on resource: memory. ")  # fmt: skip
+                _set_condition(
+                    status, "DisruptionTarget", True, "TerminationByKubelet", "The node was low on resource: memory. "
+                )
             if status.get("phase") in ("Succeeded", "Failed"):
                 reason = "PodCompleted" if status["phase"] == "Succeeded" else "PodFailed"
                 for kind in ("Ready", "ContainersReady"):
@@ -876,6 +966,8 @@ class _LogPlan:
 
 
 class _Server(http.server.ThreadingHTTPServer):
+    """The threaded HTTP server; it keeps its connections so that ``close()`` can end them."""
+
     daemon_threads = True
     request_queue_size = 128
 
@@ -902,6 +994,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
 
     def setup(self) -> None:
+        """Sets TCP_NODELAY (without it each keep-alive request waits ~40 ms for a delayed ACK)."""
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self.server.connections_lock:
@@ -984,7 +1077,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             try:
                 body = json.loads(raw) if raw.strip() else None
             except ValueError:
-                raise bad_request("the body of the request was in an unknown format - accepted media types include: application/json") from None  # fmt: skip
+                raise bad_request(
+                    "the body of the request was in an unknown format - accepted media types include: application/json"
+                ) from None
             result = emu._route(method, split.path, query, body, self.headers.get("Content-Type") or "")
             if isinstance(result, _WatchPlan):
                 self._stream_watch(emu, result)
@@ -1004,7 +1099,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if self._streaming:
                 self.close_connection = True
             else:
-                self._send(500, ApiError(500, "InternalError", f"an error on the server ({e}) has prevented the request from succeeding").status())  # fmt: skip
+                self._send(
+                    500,
+                    ApiError(
+                        500, "InternalError", f"an error on the server ({e}) has prevented the request from succeeding"
+                    ).status(),
+                )
 
     def _stream_watch(self, emu: KubeEmulator, plan: _WatchPlan) -> None:
         self._start_chunked("application/json")
@@ -1048,7 +1148,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
                 return
             elif plan.bookmarks and time.monotonic() - last_activity >= BOOKMARK_INTERVAL_S:
-                bookmark = {"kind": plan.rt.kind, "apiVersion": plan.rt.api_version, "metadata": {"resourceVersion": str(current)}}  # fmt: skip
+                bookmark = {
+                    "kind": plan.rt.kind,
+                    "apiVersion": plan.rt.api_version,
+                    "metadata": {"resourceVersion": str(current)},
+                }
                 send("BOOKMARK", bookmark)
                 last_activity = time.monotonic()
         self._end_chunked()
@@ -1139,7 +1243,7 @@ class KubeEmulator:
                 kwargs={"poll_interval": 0.05},
                 name="kube-emulator http",
                 daemon=True,
-            ),  # fmt: skip
+            ),
             threading.Thread(target=self._gc_loop, name="kube-emulator gc", daemon=True),
         ]
         for thread in self._threads:
@@ -1179,6 +1283,7 @@ class KubeEmulator:
 
     @property
     def url(self) -> str:
+        """``http://127.0.0.1:<port>`` once started."""
         if self._server is None:
             raise RuntimeError("the emulator is not started")
         return f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -1193,11 +1298,14 @@ class KubeEmulator:
         """A client configuration for this server (bearer token, no proxy)."""
         from kubernetes import client
 
-        cfg = client.Configuration(host=self.url, api_key={"BearerToken": self.token}, api_key_prefix={"BearerToken": "Bearer"})  # fmt: skip
+        cfg = client.Configuration(
+            host=self.url, api_key={"BearerToken": self.token}, api_key_prefix={"BearerToken": "Bearer"}
+        )
         cfg.no_proxy = "127.0.0.1,localhost"
         return cfg
 
     def api_client(self) -> kubernetes.client.ApiClient:
+        """An ApiClient for this server (close it, or use it as a context manager)."""
         from kubernetes import client
 
         return client.ApiClient(self.client_configuration())
@@ -1211,7 +1319,7 @@ class KubeEmulator:
             "users": [{"name": "emulator", "user": {"token": self.token}}],
             "contexts": [
                 {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}
-            ],  # fmt: skip
+            ],
             "current-context": "emulator",
             "preferences": {},
         }
@@ -1227,6 +1335,7 @@ class KubeEmulator:
                 self._create(NAMESPACES, "", {"metadata": {"name": name}})
 
     def add_service_account(self, ns: str, name: str) -> None:
+        """Creates the ServiceAccount (if absent), e.g. one a pod's ``serviceAccountName`` names."""
         with self.store.lock:
             if ("serviceaccounts", ns, name) not in self.store.objects:
                 self._create(RESOURCES["serviceaccounts"], ns, {"metadata": {"name": name}})
@@ -1236,6 +1345,7 @@ class KubeEmulator:
         self._denied.add((verb, resource))
 
     def allow(self, verb: str, resource: str) -> None:
+        """Undoes ``deny(verb, resource)``."""
         self._denied.discard((verb, resource))
 
     def compact(self) -> None:
@@ -1264,6 +1374,7 @@ class KubeEmulator:
 
     @property
     def resource_version(self) -> str:
+        """The current global resourceVersion."""
         return str(self.store.rv)
 
     def pods(self, namespace: str | None = "default", label_selector: str | None = None) -> list[Obj]:
@@ -1273,6 +1384,7 @@ class KubeEmulator:
         return [copy.deepcopy(obj) for _, obj in selected]
 
     def pod(self, name: str, namespace: str = "default") -> Obj | None:
+        """The pod (a copy), or None."""
         return self.store.get(("pods", namespace, name))
 
     def pod_log(self, name: str, namespace: str = "default") -> str:
@@ -1381,7 +1493,10 @@ class KubeEmulator:
 
     def _env_value_from(self, pod: Obj, container: Obj, source: Obj) -> str | None:
         meta, ns = pod["metadata"], pod["metadata"]["namespace"]
-        for kind, ref_name, label in (("secrets", "secretKeyRef", "Secret"), ("configmaps", "configMapKeyRef", "ConfigMap")):  # fmt: skip
+        for kind, ref_name, label in (
+            ("secrets", "secretKeyRef", "Secret"),
+            ("configmaps", "configMapKeyRef", "ConfigMap"),
+        ):
             ref = source.get(ref_name)
             if not ref:
                 continue
@@ -1407,12 +1522,16 @@ class KubeEmulator:
                 return "\n".join(f'{k}="{v}"' for k, v in sorted((meta.get(path[9:]) or {}).items()))
             status, spec = pod.get("status") or {}, pod["spec"]
             values = {
-                "metadata.name": meta["name"], "metadata.namespace": ns, "metadata.uid": meta["uid"],
-                "spec.nodeName": spec.get("nodeName", ""), "spec.serviceAccountName": spec.get("serviceAccountName", ""),
-                "status.podIP": status.get("podIP", ""), "status.hostIP": status.get("hostIP", ""),
+                "metadata.name": meta["name"],
+                "metadata.namespace": ns,
+                "metadata.uid": meta["uid"],
+                "spec.nodeName": spec.get("nodeName", ""),
+                "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+                "status.podIP": status.get("podIP", ""),
+                "status.hostIP": status.get("hostIP", ""),
                 "status.podIPs": ",".join(i["ip"] for i in status.get("podIPs") or []),
                 "status.hostIPs": ",".join(i["ip"] for i in status.get("hostIPs") or []),
-            }  # fmt: skip
+            }
             if path not in values:
                 raise ContainerConfigError(f"unsupported fieldPath: {path}")
             return values[path]
@@ -1422,7 +1541,9 @@ class KubeEmulator:
             given = ((container.get("resources") or {}).get(kind) or {}).get(name)
             if given is not None:
                 return str(given)
-            return str(os.cpu_count() or 1) if resource == "limits.cpu" else ("0" if kind == "requests" else str(1 << 34))  # fmt: skip
+            return (
+                str(os.cpu_count() or 1) if resource == "limits.cpu" else ("0" if kind == "requests" else str(1 << 34))
+            )
         raise ContainerConfigError(f"env var with an unsupported valueFrom: {sorted(source)}")
 
     # -- internals: garbage collection
@@ -1477,8 +1598,7 @@ class KubeEmulator:
         """Answers one authenticated request: ``(code, payload)``, or a plan to stream."""
         parts = [unquote(p) for p in path.strip("/").split("/")] if path.strip("/") else []
         if parts == ["version"] and method == "GET":
-            version = {"major": "1", "minor": "33", "gitVersion": "v1.33.0-emulator", "gitCommit": "emulator", "gitTreeState": "clean", "buildDate": "2025-01-01T00:00:00Z", "goVersion": "go1.24", "compiler": "gc", "platform": "linux/amd64"}  # fmt: skip
-            return 200, version
+            return 200, _VERSION
         if parts == ["api"]:
             return 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
         if parts[:2] == ["api", "v1"]:
@@ -1486,7 +1606,7 @@ class KubeEmulator:
         elif parts[:3] == ["apis", RBAC, "v1"]:
             group, rest = RBAC, parts[3:]
         else:
-            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            raise ApiError(404, "NotFound", _MSG_NO_RESOURCE)
         watch_path = bool(rest) and rest[0] == "watch"
         rest = rest[1:] if watch_path else rest
         ns: str | None = None
@@ -1499,12 +1619,12 @@ class KubeEmulator:
         elif rest:
             plural, name, extra = rest[0], rest[1] if len(rest) > 1 else None, rest[2:]
         else:
-            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            raise ApiError(404, "NotFound", _MSG_NO_RESOURCE)
         rt = RESOURCES.get(plural)
         if rt is None or rt.group != group or extra or (ns is None and rt.namespaced and name is not None):
-            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            raise ApiError(404, "NotFound", _MSG_NO_RESOURCE)
         if rt.namespaced == (ns is None) and not (rt.namespaced and name is None):
-            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            raise ApiError(404, "NotFound", _MSG_NO_RESOURCE)
         if name is None:
             verb = {"GET": "list", "POST": "create", "DELETE": "deletecollection"}.get(method)
             if verb == "list" and (watch_path or _truthy(query.get("watch"))):
@@ -1514,12 +1634,18 @@ class KubeEmulator:
         elif sub is None:
             verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method)
         else:
-            allowed = {"status": {"GET": "get", "PUT": "update", "PATCH": "patch"}, "log": {"GET": "get"}, "eviction": {"POST": "create"}}  # fmt: skip
+            allowed = {
+                "status": {"GET": "get", "PUT": "update", "PATCH": "patch"},
+                "log": {"GET": "get"},
+                "eviction": {"POST": "create"},
+            }
             if rt is not PODS or sub not in allowed:
-                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+                raise ApiError(404, "NotFound", _MSG_NO_RESOURCE)
             verb = allowed[sub].get(method)
         if verb is None:
-            raise ApiError(405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method})")  # fmt: skip
+            raise ApiError(
+                405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method})"
+            )
         self._authorize(verb, rt, sub, ns if rt.namespaced else name, name)
         key_ns = ns or ""
         if sub == "log":
@@ -1549,13 +1675,15 @@ class KubeEmulator:
 
     def _authorize(self, verb: str, rt: ResourceType, sub: str | None, ns: str | None, name: str | None) -> None:
         resource = rt.plural + (f"/{sub}" if sub else "")
-        denied = {(verb, resource), ("*", resource), (verb, "*"), ("*", "*")} & self._denied
-        if not denied:
+        if not any(rule in self._denied for rule in ((verb, resource), ("*", resource), (verb, "*"), ("*", "*"))):
             return
         subject = f'{rt.qualified} "{name}"' if name else rt.qualified
         scope = f'in the namespace "{ns}"' if ns else "at the cluster scope"
-        message = f'{subject} is forbidden: User "{self.user}" cannot {verb} resource "{resource}" in API group "{rt.group}" {scope}'  # fmt: skip
-        details: Obj = {"name": name, "group": rt.group, "kind": rt.plural} if name else {"group": rt.group, "kind": rt.plural}  # fmt: skip
+        action = f'cannot {verb} resource "{resource}" in API group "{rt.group}" {scope}'
+        message = f'{subject} is forbidden: User "{self.user}" {action}'
+        details: Obj = (
+            {"name": name, "group": rt.group, "kind": rt.plural} if name else {"group": rt.group, "kind": rt.plural}
+        )
         raise ApiError(403, "Forbidden", message, details)
 
     def _require_namespace(self, ns: str) -> None:
@@ -1577,9 +1705,9 @@ class KubeEmulator:
                     decoded = json.loads(base64.urlsafe_b64decode(token.encode()))
                     start, rv = tuple(decoded["start"]), int(decoded["rv"])
                 except (ValueError, KeyError, TypeError):
-                    raise bad_request("continue key is not valid: incorrect encoded start resourceVersion") from None  # fmt: skip
+                    raise bad_request("continue key is not valid: incorrect encoded start resourceVersion") from None
                 if rv < self.store.floor:
-                    raise ApiError(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results.")  # fmt: skip
+                    raise ApiError(410, "Expired", _MSG_CONTINUE_EXPIRED)
                 selected = [(k, o) for k, o in selected if (k[1], k[2]) > start]
                 metadata["resourceVersion"] = str(rv)
             limit = int(query.get("limit") or 0)
@@ -1587,7 +1715,9 @@ class KubeEmulator:
                 metadata["remainingItemCount"] = len(selected) - limit
                 selected = selected[:limit]
                 last = selected[-1][0]
-                metadata["continue"] = base64.urlsafe_b64encode(json.dumps({"rv": rv, "start": [last[1], last[2]]}).encode()).decode()  # fmt: skip
+                metadata["continue"] = base64.urlsafe_b64encode(
+                    json.dumps({"rv": rv, "start": [last[1], last[2]]}).encode()
+                ).decode()
             items = [copy.deepcopy(obj) for _, obj in selected]
         return {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "metadata": metadata, "items": items}
 
@@ -1661,18 +1791,32 @@ class KubeEmulator:
         with self.store.lock:
             if rt.namespaced:
                 if meta.get("namespace") not in (None, "", ns):
-                    raise bad_request("the namespace of the provided object does not match the namespace sent on the request")  # fmt: skip
+                    raise bad_request(
+                        "the namespace of the provided object does not match the namespace sent on the request"
+                    )
                 self._require_namespace(ns)
             name = meta.get("name") or ""
             if not name:
                 prefix = meta.get("generateName")
                 if not prefix:
-                    raise invalid(rt, "", "metadata.name", "Required value: name or generateName is required", "FieldValueRequired")  # fmt: skip
+                    raise invalid(
+                        rt,
+                        "",
+                        "metadata.name",
+                        "Required value: name or generateName is required",
+                        "FieldValueRequired",
+                    )
                 name = prefix + "".join(secrets.choice(_NAME_CHARS) for _ in range(5))
             key = (rt.plural, ns, name)
             if key in self.store.objects:
                 raise ApiError(409, "AlreadyExists", f'{rt.qualified} "{name}" already exists', _details(rt, name))
-            for server_field in ("resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds", "selfLink", "managedFields"):  # fmt: skip
+            for server_field in (
+                "resourceVersion",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+                "selfLink",
+                "managedFields",
+            ):
                 meta.pop(server_field, None)
             meta.update(name=name, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
             if rt.namespaced:
@@ -1695,7 +1839,8 @@ class KubeEmulator:
         if obj.get("kind") not in (None, "", rt.kind):
             raise bad_request(f"the kind of the object ({obj['kind']}) does not match the resource ({rt.plural})")
         if obj.get("apiVersion") not in (None, "", rt.api_version):
-            raise bad_request(f"the API version in the data ({obj['apiVersion']}) does not match the expected API version ({rt.api_version})")  # fmt: skip
+            expected = f"does not match the expected API version ({rt.api_version})"
+            raise bad_request(f"the API version in the data ({obj['apiVersion']}) {expected}")
         if not isinstance(obj.get("metadata") or {}, dict):
             raise bad_request("metadata must be an object")
         obj["kind"], obj["apiVersion"] = rt.kind, rt.api_version
@@ -1703,77 +1848,70 @@ class KubeEmulator:
     def _validate(self, rt: ResourceType, obj: Obj) -> None:
         """The checks of the real server that catch mistakes in manifests (names, labels, pod specs)."""
         meta, name = obj["metadata"], obj["metadata"]["name"]
-        if rt.plural in ("roles", "rolebindings"):
-            pattern, what = re.compile(r"[^/%]+"), "may not contain '/' or '%'"
-        elif rt is NAMESPACES:
-            pattern, what = _DNS_LABEL, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character"  # fmt: skip
-        elif rt.plural == "services":
-            pattern, what = _DNS_1035_LABEL, "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic character, and end with an alphanumeric character"  # fmt: skip
-        else:
-            pattern, what = _DNS_SUBDOMAIN, "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"  # fmt: skip
-        limit = 63 if pattern in (_DNS_LABEL, _DNS_1035_LABEL) else 253
+        pattern, limit, rule = _NAME_RULES.get(rt.plural, _NAME_RULES["*"])
         if not pattern.fullmatch(name) or len(name) > limit:
-            raise invalid(rt, name, "metadata.name", f'Invalid value: "{name}": {what}')
+            raise invalid(rt, name, "metadata.name", f'Invalid value: "{name}": {rule}')
         for attr in ("labels", "annotations"):
-            values = meta.get(attr)
-            if values is None:
-                continue
+            values = meta.get(attr) or {}
             if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
                 raise bad_request(f"metadata.{attr} must map strings to strings")
             for k, v in values.items():
-                key_name = k.rsplit("/", 1)[-1]
-                if not re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", key_name) or len(key_name) > 63:
-                    raise invalid(rt, name, f"metadata.{attr}", f'Invalid value: "{k}": name part must consist of alphanumeric characters, \'-\', \'_\' or \'.\', and must start and end with an alphanumeric character')  # fmt: skip
+                if not _LABEL_VALUE.fullmatch(k.rsplit("/", 1)[-1]) or not 0 < len(k.rsplit("/", 1)[-1]) <= 63:
+                    raise invalid(rt, name, f"metadata.{attr}", f'Invalid value: "{k}": {_MSG_LABEL_KEY}')
                 if attr == "labels" and (not _LABEL_VALUE.fullmatch(v) or len(v) > 63):
-                    raise invalid(rt, name, "metadata.labels", f'Invalid value: "{v}": a valid label must be an empty string or consist of alphanumeric characters, \'-\', \'_\' or \'.\', and must start and end with an alphanumeric character')  # fmt: skip
+                    raise invalid(rt, name, "metadata.labels", f'Invalid value: "{v}": {_MSG_LABEL_VALUE}')
         for i, ref in enumerate(meta.get("ownerReferences") or []):
-            for required in ("apiVersion", "kind", "name", "uid"):
-                if not isinstance(ref, dict) or not ref.get(required):
-                    raise invalid(rt, name, f"metadata.ownerReferences[{i}].{required}", "Required value", "FieldValueRequired")  # fmt: skip
+            for attr in ("apiVersion", "kind", "name", "uid"):
+                if not isinstance(ref, dict) or not ref.get(attr):
+                    raise required(rt, name, f"metadata.ownerReferences[{i}].{attr}")
         if rt is PODS:
             self._validate_pod(obj)
         elif rt.plural == "services":
             for i, port in enumerate((obj.get("spec") or {}).get("ports") or []):
                 if not isinstance(port, dict) or not isinstance(port.get("port"), int):
-                    raise invalid(rt, name, f"spec.ports[{i}].port", "Required value", "FieldValueRequired")
+                    raise required(rt, name, f"spec.ports[{i}].port")
         elif rt.plural == "roles":
             for i, rule in enumerate(obj.get("rules") or []):
                 if not isinstance(rule, dict) or not rule.get("verbs"):
-                    raise invalid(rt, name, f"rules[{i}].verbs", "Required value", "FieldValueRequired")
+                    raise required(rt, name, f"rules[{i}].verbs")
         elif rt.plural == "rolebindings":
             ref = obj.get("roleRef")
             if not isinstance(ref, dict) or ref.get("kind") not in ("Role", "ClusterRole") or not ref.get("name"):
-                raise invalid(rt, name, "roleRef", "Required value: kind Role or ClusterRole, and name", "FieldValueRequired")  # fmt: skip
+                raise required(rt, name, "roleRef", "Required value: kind Role or ClusterRole, and name")
         elif rt.plural == "secrets":
             for k, v in (obj.get("data") or {}).items():
                 try:
                     base64.b64decode(v, validate=True)
                 except (ValueError, TypeError):
-                    raise bad_request(f"Secret in version \"v1\" cannot be handled as a Secret: illegal base64 data in data[{k!r}]") from None  # fmt: skip
+                    message = (
+                        f'Secret in version "v1" cannot be handled as a Secret: illegal base64 data in data[{k!r}]'
+                    )
+                    raise bad_request(message) from None
 
     def _validate_pod(self, pod: Obj) -> None:
         name, spec = pod["metadata"]["name"], pod.get("spec")
         containers = spec.get("containers") if isinstance(spec, dict) else None
         if not isinstance(containers, list) or not containers:
-            raise invalid(PODS, name, "spec.containers", "Required value", "FieldValueRequired")
+            raise required(PODS, name, "spec.containers")
         seen: set[str] = set()
         for i, c in enumerate(containers):
             if not isinstance(c, dict) or not c.get("name"):
-                raise invalid(PODS, name, f"spec.containers[{i}].name", "Required value", "FieldValueRequired")
+                raise required(PODS, name, f"spec.containers[{i}].name")
             if not _DNS_LABEL.fullmatch(c["name"]) or c["name"] in seen:
-                raise invalid(PODS, name, f"spec.containers[{i}].name", f'Invalid value: "{c["name"]}": a unique RFC 1123 label')  # fmt: skip
+                raise invalid(PODS, name, f"spec.containers[{i}].name", f'Invalid value: "{c["name"]}": not unique')
             seen.add(c["name"])
             if not c.get("image"):
-                raise invalid(PODS, name, f"spec.containers[{i}].image", "Required value", "FieldValueRequired")
+                raise required(PODS, name, f"spec.containers[{i}].image")
             for attr in ("command", "args"):
                 if not isinstance(c.get(attr) or [], list) or not all(isinstance(a, str) for a in c.get(attr) or []):
                     raise bad_request(f"spec.containers[{i}].{attr} must be a list of strings")
             for j, var in enumerate(c.get("env") or []):
                 if not isinstance(var, dict) or not var.get("name"):
-                    raise invalid(PODS, name, f"spec.containers[{i}].env[{j}].name", "Required value", "FieldValueRequired")  # fmt: skip
+                    raise required(PODS, name, f"spec.containers[{i}].env[{j}].name")
         policy = spec.get("restartPolicy", "Always")
         if policy not in ("Always", "OnFailure", "Never"):
-            raise invalid(PODS, name, "spec.restartPolicy", f'Unsupported value: "{policy}": supported values: "Always", "OnFailure", "Never"', "FieldValueNotSupported")  # fmt: skip
+            message = f'Unsupported value: "{policy}": supported values: "Always", "OnFailure", "Never"'
+            raise invalid(PODS, name, "spec.restartPolicy", message, "FieldValueNotSupported")
         grace = spec.get("terminationGracePeriodSeconds", 30)
         if not isinstance(grace, int) or grace < 0:
             raise invalid(PODS, name, "spec.terminationGracePeriodSeconds", f"Invalid value: {grace}: must be >= 0")
@@ -1783,8 +1921,8 @@ class KubeEmulator:
         name = obj["metadata"]["name"]
         if rt is PODS:
             spec = obj["spec"]
-            for k, v in (("restartPolicy", "Always"), ("terminationGracePeriodSeconds", 30), ("dnsPolicy", "ClusterFirst"), ("schedulerName", "default-scheduler"), ("securityContext", {}), ("enableServiceLinks", True), ("priority", 0), ("preemptionPolicy", "PreemptLowerPriority")):  # fmt: skip
-                spec.setdefault(k, v)
+            for k, v in _POD_SPEC_DEFAULTS.items():
+                spec.setdefault(k, copy.deepcopy(v))
             account = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
             spec["serviceAccountName"] = spec["serviceAccount"] = account
             for c in spec["containers"]:
@@ -1797,7 +1935,10 @@ class KubeEmulator:
             if old is None:
                 ns = obj["metadata"]["namespace"]
                 if ("serviceaccounts", ns, account) not in self.store.objects:
-                    raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: error looking up service account {ns}/{account}: serviceaccount "{account}" not found', {"name": name, "kind": "pods"})  # fmt: skip
+                    message = f'error looking up service account {ns}/{account}: serviceaccount "{account}" not found'
+                    raise ApiError(
+                        403, "Forbidden", f'pods "{name}" is forbidden: {message}', {"name": name, "kind": "pods"}
+                    )
                 resources = [c["resources"] for c in spec["containers"]]
                 qos = "BestEffort" if not any(r.get("requests") or r.get("limits") for r in resources) else "Burstable"
                 obj["status"] = {"phase": "Pending", "qosClass": qos}
@@ -1813,23 +1954,24 @@ class KubeEmulator:
                     return s
 
                 if frozen(spec) != frozen(old["spec"]):
-                    raise invalid(PODS, name, "spec", "Forbidden: pod updates may not change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)", "FieldValueForbidden")  # fmt: skip
+                    raise invalid(PODS, name, "spec", _MSG_POD_UPDATE, "FieldValueForbidden")
         elif rt.plural == "services":
             spec = obj.setdefault("spec", {})
             old_ip = (old or {}).get("spec", {}).get("clusterIP")
             if old_ip and spec.get("clusterIP") not in (None, "", old_ip):
-                raise invalid(rt, name, "spec.clusterIPs[0]", f'Invalid value: ["{spec["clusterIP"]}"]: may not change once set')  # fmt: skip
+                raise invalid(
+                    rt, name, "spec.clusterIPs[0]", f'Invalid value: ["{spec["clusterIP"]}"]: may not change once set'
+                )
             if not spec.get("clusterIP"):
                 if old_ip:
                     spec["clusterIP"] = old_ip
                 else:
                     self._cluster_ip_counter += 1
                     spec["clusterIP"] = "10.96.{}.{}".format(*divmod(self._cluster_ip_counter, 256))
-            spec.setdefault("type", "ClusterIP")
             if spec["clusterIP"] != "None":
                 spec["clusterIPs"] = [spec["clusterIP"]]
-            for k, v in (("sessionAffinity", "None"), ("ipFamilies", ["IPv4"]), ("ipFamilyPolicy", "SingleStack"), ("internalTrafficPolicy", "Cluster")):  # fmt: skip
-                spec.setdefault(k, v)
+            for k, v in _SERVICE_SPEC_DEFAULTS.items():
+                spec.setdefault(k, copy.deepcopy(v))
             for port in spec.get("ports") or []:
                 port.setdefault("protocol", "TCP")
                 port.setdefault("targetPort", port["port"])
@@ -1860,7 +2002,9 @@ class KubeEmulator:
     def _patch(self, rt: ResourceType, ns: str, name: str, body: Any, content_type: str, sub: str | None) -> Obj:
         kind = content_type.split(";")[0].strip().lower()
         if kind not in _PATCH_TYPES:
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: {', '.join(_PATCH_TYPES)}")  # fmt: skip
+            accepted = ", ".join(_PATCH_TYPES)
+            message = f"the body of the request was in an unknown format - accepted media types include: {accepted}"
+            raise ApiError(415, "UnsupportedMediaType", message)
         with self.store.lock:
             old = self.store.objects.get((rt.plural, ns, name))
             if old is None:
@@ -1873,7 +2017,9 @@ class KubeEmulator:
                 else:
                     raise ValueError("the patch must be a JSON object (or, for a JSON patch, a list)")
             except (KeyError, IndexError, ValueError, TypeError) as e:
-                raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: {e}") from None  # fmt: skip
+                raise ApiError(
+                    422, "Invalid", f"the server rejected our request due to an error in our request: {e}"
+                ) from None
             return self._update(rt, (rt.plural, ns, name), old, new, sub)
 
     def _update(self, rt: ResourceType, key: Key, old: Obj, body: Any, sub: str | None) -> Obj:
@@ -1896,7 +2042,17 @@ class KubeEmulator:
             result["status"] = new.get("status") or {}
         else:
             result = new
-            for attr in ("name", "namespace", "uid", "creationTimestamp", "generation", "generateName", "deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):  # fmt: skip
+            for attr in (
+                "name",
+                "namespace",
+                "uid",
+                "creationTimestamp",
+                "generation",
+                "generateName",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+                "resourceVersion",
+            ):
                 if attr in old["metadata"]:
                     meta[attr] = old["metadata"][attr]
                 else:
@@ -1915,7 +2071,9 @@ class KubeEmulator:
             return copy.deepcopy(old)
         return self.store.write(key, result)
 
-    def _delete(self, rt: ResourceType, ns: str, name: str, query: dict[str, str], options: Obj, wait: bool = True) -> Obj:  # fmt: skip
+    def _delete(
+        self, rt: ResourceType, ns: str, name: str, query: dict[str, str], options: Obj, wait: bool = True
+    ) -> Obj:
         """Deletes one object; pods gracefully (their runner stops the process, then removes the object)."""
         grace_text = query.get("gracePeriodSeconds")
         grace = int(grace_text) if grace_text else options.get("gracePeriodSeconds")
@@ -1933,9 +2091,12 @@ class KubeEmulator:
                 raise not_found(rt, name)
             meta = old["metadata"]
             if preconditions.get("uid") not in (None, meta["uid"]):
-                raise conflict(rt, name, f"Precondition failed: UID in precondition: {preconditions['uid']}, UID in object meta: {meta['uid']}")  # fmt: skip
+                why = f"UID in precondition: {preconditions['uid']}, UID in object meta: {meta['uid']}"
+                raise conflict(rt, name, f"Precondition failed: {why}")
             if preconditions.get("resourceVersion") not in (None, meta["resourceVersion"]):
-                raise conflict(rt, name, f"Precondition failed: ResourceVersion in precondition: {preconditions['resourceVersion']}, ResourceVersion in meta: {meta['resourceVersion']}")  # fmt: skip
+                wanted = preconditions["resourceVersion"]
+                why = f"ResourceVersion in precondition: {wanted}, ResourceVersion in meta: {meta['resourceVersion']}"
+                raise conflict(rt, name, f"Precondition failed: {why}")
             if propagation == "Orphan":
                 self._orphan_dependents(meta["uid"])
             if rt is PODS:
@@ -1971,12 +2132,17 @@ class KubeEmulator:
     def _delete_collection(self, rt: ResourceType, ns: str, query: dict[str, str], options: Obj) -> Obj:
         match = self._matcher(rt, query)
         deleted = []
-        for (_, obj_ns, name), _obj in self.store.select(rt.plural, ns or None, match):
+        for (_, obj_ns, name), obj in self.store.select(rt.plural, ns or None, match):
             try:
-                deleted.append(self._delete(rt, obj_ns, name, query, options, wait=False))
+                result = self._delete(rt, obj_ns, name, query, options, wait=False)
             except ApiError as e:
                 if e.code != 404:
                     raise
-        if not rt.delete_returns_object:
-            deleted = []
-        return {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "metadata": {"resourceVersion": self.resource_version}, "items": deleted}  # fmt: skip
+                continue
+            deleted.append(result if rt.delete_returns_object else copy.deepcopy(obj))
+        return {
+            "kind": f"{rt.kind}List",
+            "apiVersion": rt.api_version,
+            "metadata": {"resourceVersion": self.resource_version},
+            "items": deleted,
+        }

@@ -4,6 +4,7 @@ exactly as to a real cluster.
 """
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -30,7 +31,12 @@ def cluster():
 
 
 def job(tmp_path, name="job", workers=3, config=None, **kwargs):
-    command = (sys.executable, worker_script("elastic_counter.py"), str(tmp_path), json.dumps({**BASE, **(config or {})}))
+    command = (
+        sys.executable,
+        worker_script("elastic_counter.py"),
+        str(tmp_path),
+        json.dumps({**BASE, **(config or {})}),
+    )
     kwargs.setdefault("min_workers", 2)
     kwargs.setdefault("heartbeat_timeout_s", 3.0)
     kwargs.setdefault("rendezvous_timeout_s", 60.0)
@@ -82,6 +88,7 @@ def test_a_deleted_worker_pod_is_relaunched_and_no_record_is_lost(cluster, tmp_p
     client.submit(config)
     progress = tmp_path / "progress"
     KubeEmulator.wait_for(lambda: progress.exists() and int(progress.read_text() or 0) >= 10, timeout=120)
+    assert "worker-1: starting" in client.logs("job", "default", worker=1)  # a worker's log, while it runs
     client.core.delete_namespaced_pod("job-worker-1", "default")
     status = wait_for_phase(client, config, ("Succeeded", "Failed"))
     assert status["phase"] == "Succeeded", (status, cluster.pod_log("job-master")[-3000:])
@@ -103,10 +110,14 @@ def test_a_worker_exiting_1_is_not_relaunched_and_the_job_fails_with_the_reason(
 def test_rbac_denied_is_a_clear_error_and_leaves_nothing_behind(cluster, tmp_path):
     cluster.deny("create", "pods")
     client = JobClient(cluster.api_client())
-    with pytest.raises(KubernetesError, match=r"not allowed to create pods job-master in namespace 'default'.*forbidden"):
+    with pytest.raises(
+        KubernetesError, match=r"not allowed to create pods job-master in namespace 'default'.*forbidden"
+    ):
         client.submit(job(tmp_path))
     assert client.core.list_namespaced_secret("default", label_selector="app.kubernetes.io/instance=job").items == []
-    assert client.core.list_namespaced_config_map("default", label_selector="app.kubernetes.io/instance=job").items == []
+    assert (
+        client.core.list_namespaced_config_map("default", label_selector="app.kubernetes.io/instance=job").items == []
+    )
 
 
 def test_an_unknown_namespace_is_refused_before_anything_is_created(cluster, tmp_path):
@@ -115,16 +126,34 @@ def test_an_unknown_namespace_is_refused_before_anything_is_created(cluster, tmp
         client.submit(job(tmp_path, namespace="nowhere"))
 
 
-def test_a_second_job_of_the_same_name_is_refused_and_delete_removes_the_job(cluster, tmp_path):
-    client = JobClient(cluster.api_client())
+def k8s_cli(kubeconfig, command, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "elasticdl_strategy", "k8s", command, "--kubeconfig", str(kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_command_line_submits_shows_logs_and_deletes_and_refuses_a_second_job(cluster, tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    cluster.write_kubeconfig(kubeconfig)
     config = job(tmp_path, workers=1, min_workers=1)
-    client.submit(config)
-    with pytest.raises(ConfigError, match="already exists"):
-        client.submit(config)
-    assert client.delete("job", "default") >= 7
+    result = k8s_cli(kubeconfig, "submit", *config.job_flags(), "--", *config.command)
+    assert result.returncode == 0, result.stderr
+    assert "created Pod/job-master" in result.stdout and "job job submitted" in result.stdout
+    again = k8s_cli(kubeconfig, "submit", *config.job_flags(), "--", *config.command)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    KubeEmulator.wait_for(lambda: cluster.pod("job-worker-0"), timeout=60)
+    status = k8s_cli(kubeconfig, "status", "job")
+    assert status.returncode == 0 and "job job:" in status.stdout and "job-worker-0" in status.stdout
+    logs = k8s_cli(kubeconfig, "logs", "job")
+    assert logs.returncode == 0 and "coordinator serving on" in logs.stdout
+    deleted = k8s_cli(kubeconfig, "delete", "job")
+    assert deleted.returncode == 0 and "deleted" in deleted.stdout
     KubeEmulator.wait_for(lambda: not cluster.pods(label_selector="app.kubernetes.io/instance=job"), timeout=60)
-    with pytest.raises(ConfigError, match="no job 'job'"):
-        client.status("job", "default")
+    gone = k8s_cli(kubeconfig, "status", "job")
+    assert gone.returncode == 2 and "no job 'job'" in gone.stderr
 
 
 def test_pending_pods_do_not_block_the_others_and_duplicate_events_are_harmless(cluster, tmp_path):
