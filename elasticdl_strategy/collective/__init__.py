@@ -99,10 +99,18 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
                 logger.warning("%s: this standby exits", e)
                 raise SystemExit(0) from None
         # Leave cleanly at exit, before the interpreter stops the thread pools gRPC relies on.
-        getattr(threading, "_register_atexit", atexit.register)(lambda: shutdown(finished=not _crashed))
+        getattr(threading, "_register_atexit", atexit.register)(lambda: shutdown(finished=_finished_at_exit()))
 
 
 _crashed = False
+# Set by elastic.run: "training" while it runs, "done" once it returned normally.
+elastic_phase = ""
+
+
+def _finished_at_exit() -> bool:
+    """Whether leaving at exit means the job is done: no uncaught exception, and an elastic
+    training loop (if there was one) that returned rather than exited with ``sys.exit``."""
+    return not _crashed and elastic_phase != "training"
 
 
 def _install_failure_hook() -> None:

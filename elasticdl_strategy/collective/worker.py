@@ -76,11 +76,15 @@ class Worker:
             address = f"{env.peer_host}:{server.port}"
             client = CoordinatorClient(env.coordinator_address, env.worker_id, env.token, env.transport)
             registered = client.register(address, timeout=env.rendezvous_timeout_s)
+
             # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
-            client.start_heartbeats(
-                lambda: worker.membership.version if worker else 0,
-                lambda response: worker._on_heartbeat(response) if worker else None,
-            )
+            def on_heartbeat(response) -> None:
+                if worker is not None:
+                    worker._on_heartbeat(response)
+                elif not response.known:  # forgotten while waiting (coordinator restart): register again
+                    client.register(address, timeout=env.rendezvous_timeout_s)
+
+            client.start_heartbeats(lambda: worker.membership.version if worker else 0, on_heartbeat)
             membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s)
             rank = membership.rank_of(env.worker_id)
             p2p = PointToPoint(
@@ -151,13 +155,15 @@ class Worker:
             self.reregister()
             return
         self._declared_dead = False
-        if response.membership_version == self.membership.version:
+        current, communicator = self.membership, self.communicator
+        if response.membership_version == current.version:
             return
+        if communicator.p2p.membership_version != current.version:
+            return  # a re-formation is swapping them right now; the next heartbeat looks again
         latest = self._client.get_membership()
-        current = self.membership
         for rank, member in enumerate(current.members):
             if latest.rank_of(member.worker_id) < 0 and member.worker_id != self.worker_id:
-                self.communicator.p2p.peer_failed(
+                communicator.p2p.peer_failed(
                     rank, f"the coordinator removed it in membership version {latest.version} ({latest.reason})"
                 )
 

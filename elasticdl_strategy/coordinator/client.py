@@ -109,6 +109,10 @@ class CoordinatorClient:
     def wait_for_membership(self, after_version: int, timeout: float) -> Membership:
         """Waits for a membership newer than ``after_version`` that contains this worker.
 
+        While a membership with enough workers trains without this worker (it
+        is a standby, or joins at the next commit), the wait goes on; the
+        timeout counts only while too few workers are registered.
+
         Raises:
             RendezvousTimeoutError: none was published within ``timeout``;
                 the message says how many workers had registered.
@@ -131,6 +135,10 @@ class CoordinatorClient:
                     and membership.size >= last.min_workers
                 ):
                     return membership
+                if membership.size >= last.min_workers and membership.rank_of(self.worker_id) < 0:
+                    # The job trains without us (a standby, or a joiner waiting for the next commit):
+                    # that is no reason to give up.
+                    deadline = max(deadline, time.monotonic() + min(timeout, 30.0))
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise RendezvousError(f"worker {self.worker_id}: GetMembership failed: {e.details()}") from None

@@ -148,6 +148,12 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             return self._membership
 
     @property
+    def finished(self) -> bool:
+        """Whether a worker reported that training finished (``Leave(finished=True)``)."""
+        with self._cond:
+            return self._finished
+
+    @property
     def last_commit(self) -> coordinator_pb2.CommitRecord:
         with self._cond:
             return coordinator_pb2.CommitRecord().__class__.FromString(self._last_commit.SerializeToString())

@@ -32,7 +32,7 @@ class CoordinatorServer:
     """
 
     def __init__(self, params: CoordinatorParams, bind: str, token: str, options: TransportOptions):
-        self.coordinator = Coordinator(params)
+        self.coordinator = Coordinator(params, options=options)  # its health probes use the job's TLS
         self.health = health.HealthServicer()
 
         def register(server):

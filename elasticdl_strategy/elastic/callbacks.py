@@ -33,6 +33,14 @@ class CommitStateCallback(keras.callbacks.Callback):
     def _values(self):
         return self.state.__dict__.get("_values", {})
 
+    def on_train_begin(self, logs=None):
+        steps = getattr(self.model, "steps_per_execution", 1) or 1
+        if int(steps) != 1:
+            raise ConfigError(
+                f"CommitStateCallback needs compile(steps_per_execution=1), not {int(steps)}: Keras calls batch "
+                "callbacks once per execution, so the data position would fall behind the steps taken"
+            )
+
     def on_train_batch_end(self, batch, logs=None):
         if self.state.records is not None:
             self.state.records.advance()

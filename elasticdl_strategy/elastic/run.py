@@ -64,6 +64,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> T:
         worker = collective.current_worker()
+        collective.elastic_phase = "training"
         with _leave_on_sigterm(state):
             first_entry = True
             reset: Optional[_Reset] = None
@@ -82,7 +83,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                         state.on_reset()
                         _log_recovered(worker, state, reset)
                         reset = None
-                    return func(state, *args, **kwargs)
+                    result = func(state, *args, **kwargs)
+                    collective.elastic_phase = "done"
+                    return result
                 except WorkerLeft:
                     _exit(f"left the job gracefully at commit #{state.commit_id}")
                 except JobFinished:  # evicted (say, after hanging) while the others finished without it
@@ -114,8 +117,21 @@ class _Reset:
 
 def _recover(worker, state: State, reset: _Reset) -> None:
     worker.reform(reset.reason, failed=reset.failed, suspects=reset.suspects)
-    if reset.failed:
-        state.restore(worker.client.last_commit().commit_id)
+    if not reset.failed:
+        return
+    last = worker.client.last_commit().commit_id
+    if state.has_snapshot(last) or worker.communicator.rank != 0:
+        state.restore(last)  # a rank without it receives rank 0's state in the sync
+        return
+    # The new rank 0 never held the job's last committed state (it joined after it, or the rank 0
+    # that loaded the checkpoint died): only a checkpoint can give it back.
+    if state.load_checkpoint() and state.commit_id >= last:
+        return
+    raise ElasticDLError(
+        f"worker {worker.worker_id}: no remaining worker holds the state of commit #{last} (the workers left "
+        "joined after it) and no checkpoint has it: continuing would lose or repeat data. Start the job "
+        "again from its last checkpoint"
+    )
 
 
 def _log_recovered(worker, state: State, reset: _Reset) -> None:

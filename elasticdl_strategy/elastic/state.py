@@ -193,6 +193,10 @@ class State:
                 membership_version=response.membership_version,
             )
 
+    def has_snapshot(self, commit_id: int) -> bool:
+        """Whether this worker holds the state of commit ``commit_id``."""
+        return commit_id in self._snapshots
+
     def restore(self, commit_id: int) -> None:
         """Rolls back to commit ``commit_id`` (the job's last recorded one).
 

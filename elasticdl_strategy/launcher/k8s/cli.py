@@ -185,8 +185,17 @@ def main(argv: List[str]) -> int:
     if command is None:
         sys.stderr.write(f"{PROG}: error: unknown command {argv[0]!r} (expected one of: {', '.join(_COMMANDS)})\n")
         return 2
+    from kubernetes.config import ConfigException
+    from urllib3.exceptions import HTTPError
+
     try:
         return command(argv[1:])
+    except ConfigException as e:
+        sys.stderr.write(f"{PROG} {argv[0]}: error: bad Kubernetes configuration: {e}\n")
+        return 2
+    except HTTPError as e:
+        sys.stderr.write(f"{PROG} {argv[0]}: error: cannot reach the Kubernetes API: {e}\n")
+        return 1
     except ConfigError as e:
         sys.stderr.write(f"{PROG} {argv[0]}: error: {e}\n")
         return 2

@@ -131,8 +131,15 @@ class JobClient:
             "ConfigMap": self.core.patch_namespaced_config_map,
             "Service": self.core.patch_namespaced_service,
         }
+        from kubernetes.client.exceptions import ApiException
+
         for obj in objects:
-            patchers[obj["kind"]](obj["metadata"]["name"], config.namespace, {"metadata": owner})
+            try:
+                patchers[obj["kind"]](obj["metadata"]["name"], config.namespace, {"metadata": owner})
+            except ApiException as e:
+                raise _explain(
+                    e, "patch", f"{obj['kind'].lower()}s {obj['metadata']['name']}", config.namespace
+                ) from None
 
     def _delete_objects(self, namespace: str, objects) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -160,9 +167,12 @@ class JobClient:
             if e.status == 404:
                 raise ConfigError(f"no job {name!r} in namespace {namespace!r}") from None
             raise _explain(e, "get", "configmaps", namespace) from None
-        pods = self.core.list_namespaced_pod(
-            namespace, label_selector=f"{manifests.INSTANCE_LABEL}={name},{manifests.NAME_LABEL}={manifests.APP}"
-        )
+        try:
+            pods = self.core.list_namespaced_pod(
+                namespace, label_selector=f"{manifests.INSTANCE_LABEL}={name},{manifests.NAME_LABEL}={manifests.APP}"
+            )
+        except ApiException as e:
+            raise _explain(e, "list", "pods", namespace) from None
         live = {
             p.metadata.name: {
                 "phase": p.status.phase if p.status else "Unknown",

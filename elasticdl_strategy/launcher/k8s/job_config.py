@@ -11,6 +11,7 @@ from elasticdl_strategy.errors import ConfigError
 # Longest suffix added to the job name ("-worker-" + a worker id of up to 5 digits).
 _LONGEST_SUFFIX = len("-worker-99999")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names: start with a letter
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _IMAGE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._/:@-]*$")
 
@@ -72,10 +73,10 @@ class K8sJobConfig:
     master_memory: str = "512Mi"
 
     def __post_init__(self) -> None:
-        if not _DNS_LABEL.match(self.name) or len(self.name) > 63 - _LONGEST_SUFFIX:
+        if not _DNS_1035_LABEL.match(self.name) or len(self.name) > 63 - _LONGEST_SUFFIX:
             raise ConfigError(
-                f"--name={self.name!r} must be lower-case letters, digits and '-', start and end with a "
-                f"letter or digit, and be at most {63 - _LONGEST_SUFFIX} characters"
+                f"--name={self.name!r} must be lower-case letters, digits and '-', start with a letter, end "
+                f"with a letter or digit, and be at most {63 - _LONGEST_SUFFIX} characters"
             )
         if not _DNS_LABEL.match(self.namespace):
             raise ConfigError(f"--namespace={self.namespace!r} is not a valid namespace name")

@@ -234,7 +234,8 @@ def owner_reference(owner: Manifest) -> Manifest:
         "name": owner["name"],
         "uid": owner["uid"],
         "controller": True,
-        "blockOwnerDeletion": True,
+        # True would need update on pods/finalizers where OwnerReferencesPermissionEnforcement is on.
+        "blockOwnerDeletion": False,
     }
 
 

@@ -41,15 +41,20 @@ def run_master(config: K8sJobConfig, api=None) -> int:
         heartbeat_timeout_s=config.heartbeat_timeout_s,
     )
     options = TransportOptions(tls=TLSConfig.from_env(os.environ))
-    server = CoordinatorServer(params, f"{pod_ip}:{COORDINATOR_PORT}", token, options)
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip  # IPv6 pod IPs in host:port
+    server = CoordinatorServer(params, f"{host}:{COORDINATOR_PORT}", token, options)
     logger.info("job %s: coordinator serving on %s:%d", config.name, pod_ip, server.port)
     manager = PodManager(
         api,
         config,
         owner={"name": pod_name, "uid": pod_uid},
-        coordinator_address=f"{pod_ip}:{server.port}",
+        coordinator_address=f"{host}:{server.port}",
         membership_version=lambda: server.coordinator.membership.version,
+        training_finished=lambda: server.coordinator.finished,
     )
+    if _already_ended(api, config):
+        server.stop()
+        return 0
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -59,11 +64,26 @@ def run_master(config: K8sJobConfig, api=None) -> int:
         signal.signal(sig, on_signal)
     try:
         outcome = manager.run(should_stop=stop.is_set)
+        manager.delete_remaining()  # only once the job's outcome is decided: a crash keeps the workers
     finally:
-        manager.delete_remaining()
         server.stop()
     logger.info("job %s %s: %s", config.name, outcome.phase.lower(), outcome.message)
-    return 0 if outcome.phase == "Succeeded" else 1
+    # The verdict is in the status ConfigMap and this log. A non-zero exit would make Kubernetes
+    # restart the master (restartPolicy OnFailure, meant for crashes), which would run the job again.
+    return 0
+
+
+def _already_ended(api, config: K8sJobConfig) -> bool:
+    """Whether the job's status says it ended (the master container was restarted after that)."""
+    try:
+        data = api.read_namespaced_config_map(config.status_name, config.namespace).data or {}
+    except Exception as e:  # noqa: BLE001 - no readable status: the job has not ended
+        logger.warning("could not read the job status: %s", e)
+        return False
+    if data.get("phase") in ("Succeeded", "Failed"):
+        logger.warning("job %s already %s (%s): nothing to do", config.name, data["phase"].lower(), data.get("message"))
+        return True
+    return False
 
 
 def core_api():

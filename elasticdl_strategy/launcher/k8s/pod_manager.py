@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 _CLUSTER_REASONS = {"Evicted", "Preempting", "Preempted", "NodeShutdown", "Shutdown", "Terminated", "NodeLost"}
 _BACKOFF_START_S, _BACKOFF_CAP_S = 1.0, 60.0
 _WATCH_TIMEOUT_S = 5
+_API_TIMEOUT_S = 30
+_RETRY_PAUSE_S = 2.0
 
 
 @dataclasses.dataclass
@@ -63,16 +65,18 @@ class WorkerPod:
         return f"{self.name} is {self.phase}" + (f" ({self.reason})" if self.reason else "")
 
 
-def decide(pod: WorkerPod, relaunch_on_error: bool) -> str:
-    """What to do about an ended worker: ``"finished"``, ``"relaunch"`` or ``"failed"``."""
-    if (
-        pod.deleted
-        and pod.reason != "OOMKilled"
-        and (pod.exit_code is None or pod.exit_code == 0 or pod.exit_code >= 128)
-    ):
+def decide(pod: WorkerPod, relaunch_on_error: bool, training_finished: bool = True) -> str:
+    """What to do about an ended worker: ``"finished"``, ``"relaunch"`` or ``"failed"``.
+
+    ``training_finished``: the coordinator learned that training finished. A
+    worker exiting 0 before that left gracefully (SIGTERM: deleted, evicted,
+    node shutdown) and is replaced.
+    """
+    cluster_removed = pod.deleted or pod.reason in _CLUSTER_REASONS
+    if cluster_removed and pod.reason != "OOMKilled" and (pod.exit_code in (None, 0) or pod.exit_code >= 128):
         return "relaunch"  # deleted, evicted or preempted (a graceful leave exits 0)
     if pod.phase == "Succeeded" or pod.exit_code == 0:
-        return "finished"
+        return "finished" if training_finished else "relaunch"
     if pod.reason == "OOMKilled":
         return "relaunch" if relaunch_on_error else "failed"
     if pod.exit_code is not None and 1 <= pod.exit_code <= 127 and pod.reason not in _CLUSTER_REASONS:
@@ -112,12 +116,14 @@ class PodManager:
         coordinator_address: str,
         membership_version: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
+        training_finished: Callable[[], bool] = lambda: True,
     ):
         self.api = api
         self.config = config
         self.owner = owner
         self.coordinator_address = coordinator_address
         self.membership_version = membership_version
+        self.training_finished = training_finished
         self.clock = clock
         self.pods: Dict[str, WorkerPod] = {}
         self.restarts = 0
@@ -135,8 +141,8 @@ class PodManager:
         self.next_index += 1
         body = manifests.worker_pod(self.config, index, self.coordinator_address, self.owner)
         pod = WorkerPod(index, self.config.worker_name(index))
-        self.pods[pod.name] = pod
-        self.api.create_namespaced_pod(self.config.namespace, body)
+        self.api.create_namespaced_pod(self.config.namespace, body, _request_timeout=_API_TIMEOUT_S)
+        self.pods[pod.name] = pod  # only once it exists: a refused create must not count as a live worker
         logger.info("created %s", pod.name)
         return pod
 
@@ -195,7 +201,7 @@ class PodManager:
         if not pod.ended or pod.handled:
             return
         pod.handled = True
-        action = decide(pod, self.config.relaunch_on_error)
+        action = decide(pod, self.config.relaunch_on_error, self.training_finished())
         if action == "finished":
             if not self.finished:
                 logger.info("%s finished: training is done", pod.name)
@@ -221,11 +227,19 @@ class PodManager:
         now = self.clock()
         due = [t for t in self.pending_relaunches if t <= now]
         self.pending_relaunches = [t for t in self.pending_relaunches if t > now]
+        from kubernetes.client.exceptions import ApiException
+
         for _ in due:
             if self.finished:
                 break
             self.restarts += 1
-            pod = self.create_worker()
+            try:
+                pod = self.create_worker()
+            except ApiException as e:  # quota, admission webhook, RBAC: counts against the budget
+                message = f"relaunch {self.restarts} refused by the API: {e.status} {e.reason}"
+                logger.error(message)
+                self.failures.append(message)
+                continue
             logger.warning("relaunched: %s (restart %d of %d)", pod.name, self.restarts, self.config.max_restarts)
 
     # ---- the job ----------------------------------------------------------------------------
@@ -236,8 +250,9 @@ class PodManager:
     def check_outcome(self) -> Optional[JobOutcome]:
         """The job's end, once it is decided."""
         alive = self.alive()
-        if self.finished and not alive:
-            return JobOutcome("Succeeded", "training finished")
+        # Pods seen Pending (unschedulable standbys, relaunches waiting for room) don't hold up the end.
+        if self.finished and all(p.phase == "Pending" and p.resource_version >= 0 for p in alive):
+            return JobOutcome("Succeeded", "training finished")  # pods still Pending are deleted
         if self.finished or self.pending_relaunches:
             return None
         if len(alive) < self.config.min_workers_ and self.failures:
@@ -299,15 +314,35 @@ class PodManager:
                     if self._step() or should_stop():
                         break
             except ApiException as e:
-                if e.status != 410:
-                    raise
-                logger.info("watch expired (410 Gone): listing the pods again")
-                self._relist()
+                if e.status == 410:
+                    logger.info("watch expired (410 Gone): listing the pods again")
+                else:
+                    logger.warning("watching the pods failed (%s %s): retrying", e.status, e.reason)
+                    self._pause(should_stop)
+                self._relist_safely(should_stop)
+            except Exception as e:  # noqa: BLE001 - connection errors (API server restarts): retry, never give up the job
+                logger.warning("watching the pods failed (%s): retrying", e)
+                self._pause(should_stop)
+                self._relist_safely(should_stop)
             self._step()
             if should_stop() and self.outcome is None:
                 self.outcome = JobOutcome("Failed", "the master was stopped (SIGTERM) before training finished")
         self.write_status(force=True)
         return self.outcome
+
+    def _pause(self, should_stop: Callable[[], bool]) -> None:
+        deadline = self.clock() + _RETRY_PAUSE_S
+        while self.clock() < deadline and not should_stop():
+            time.sleep(0.1)
+
+    def _relist_safely(self, should_stop: Callable[[], bool]) -> None:
+        while not should_stop():
+            try:
+                self._relist()
+                return
+            except Exception as e:  # noqa: BLE001 - keep trying while the API is unreachable
+                logger.warning("listing the pods failed (%s): retrying", e)
+                self._pause(should_stop)
 
     def _step(self) -> bool:
         self.relaunch_due()
@@ -330,11 +365,11 @@ class PodManager:
         self._resource_version = listed.metadata.resource_version
 
     def delete_remaining(self) -> None:
-        """Deletes worker pods still present (standbys at the end, everything on failure)."""
+        """Deletes worker pods that have not ended (standbys, Pending pods); ended ones keep their logs."""
         from kubernetes.client.exceptions import ApiException
 
         for pod in self.pods.values():
-            if not pod.gone:
+            if not pod.gone and not pod.ended:
                 try:
                     self.api.delete_namespaced_pod(pod.name, self.config.namespace, grace_period_seconds=0)
                 except ApiException as e:

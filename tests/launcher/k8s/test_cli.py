@@ -28,6 +28,7 @@ def k8s(*args, env=None):
     "args, message",
     [
         (["--name", "Bad_Name", "--image", "edl", "--workers", "2"], "--name='Bad_Name'"),
+        (["--name", "1job", "--image", "edl", "--workers", "2"], "start with a letter"),
         (["--name", "x" * 60, "--image", "edl", "--workers", "2"], "at most 50 characters"),
         (["--name", "job", "--image", "bad image", "--workers", "2"], "--image='bad image'"),
         (["--name", "job", "--image", "edl", "--workers", "-1"], "--workers=-1"),

@@ -25,13 +25,13 @@ class FakeCoreApi:
     def __init__(self):
         self.created, self.deleted, self.status = [], [], {}
 
-    def create_namespaced_pod(self, namespace, body):
+    def create_namespaced_pod(self, namespace, body, **kwargs):
         self.created.append(body["metadata"]["name"])
 
     def delete_namespaced_pod(self, name, namespace, **kwargs):
         self.deleted.append(name)
 
-    def list_namespaced_pod(self, namespace, label_selector=None):
+    def list_namespaced_pod(self, namespace, label_selector=None, **kwargs):
         return V1PodList(items=[], metadata=V1ListMeta(resource_version="1"))
 
     def patch_namespaced_config_map(self, name, namespace, body):
@@ -189,3 +189,27 @@ def test_a_deleted_worker_that_leaves_gracefully_with_exit_0_is_replaced_not_tak
     m.apply("MODIFIED", pod("job-worker-1", 6, "Succeeded", exit_code=0, deleting=True))
     m.apply("DELETED", pod("job-worker-1", 7, "Succeeded", exit_code=0, deleting=True))
     assert not m.finished and len(m.pending_relaunches) == 1
+
+
+def test_exit_0_before_the_coordinator_heard_training_finish_is_a_graceful_leave():
+    m, api, clock = manager()
+    m.training_finished = lambda: False  # an evicted worker left gracefully: not the end of training
+    m.apply("MODIFIED", pod("job-worker-0", 8, "Failed", exit_code=0, status_reason="Evicted"))
+    m.apply("MODIFIED", pod("job-worker-1", 9, "Succeeded", exit_code=0))
+    assert not m.finished and len(m.pending_relaunches) == 2
+
+
+def test_a_refused_relaunch_counts_against_the_budget_instead_of_crashing():
+    from kubernetes.client.exceptions import ApiException
+
+    m, api, clock = manager(workers=2, min_workers=2, max_restarts=1)
+
+    def refuse(namespace, body, **kwargs):
+        raise ApiException(status=403, reason="Forbidden")
+
+    api.create_namespaced_pod = refuse
+    m.apply("DELETED", pod("job-worker-0", 10, "Running"))
+    clock.now += 5
+    m.relaunch_due()
+    assert "job-worker-2" not in m.pods and "refused by the API: 403" in m.failures[0]
+    assert m.check_outcome().phase == "Failed"
