@@ -1,0 +1,60 @@
+"""elastic.run's recovery decisions, with a fake worker (no processes)."""
+
+import types
+
+import pytest
+import tensorflow as tf
+
+from elasticdl_strategy import collective, elastic
+from elasticdl_strategy.elastic.run import _recover, _Reset
+from elasticdl_strategy.errors import ElasticDLError
+
+
+@pytest.fixture(autouse=True)
+def single_worker(monkeypatch):
+    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
+    collective.init()
+    yield
+    collective.shutdown()
+
+
+def fake_worker(rank, last_commit_id):
+    return types.SimpleNamespace(
+        worker_id="w",
+        reform=lambda *args, **kwargs: 0.0,
+        client=types.SimpleNamespace(last_commit=lambda: types.SimpleNamespace(commit_id=last_commit_id)),
+        communicator=types.SimpleNamespace(rank=rank),
+    )
+
+
+FAILURE = _Reset("rank 1 failed", failed=True, started=0.0)
+
+
+def test_a_survivor_rolls_back_to_the_recorded_commit():
+    w = tf.Variable([1.0])
+    state = elastic.State(variables=[w])
+    state.commit()
+    w.assign([9.0])
+    _recover(fake_worker(rank=0, last_commit_id=1), state, FAILURE)
+    assert w.numpy().tolist() == [1.0]
+
+
+def test_a_new_rank_0_that_never_held_the_last_commit_refuses_to_go_on_without_a_checkpoint():
+    state = elastic.State(variables=[tf.Variable([0.0])])  # joined after commit 5: no snapshot of it
+    with pytest.raises(ElasticDLError, match="no remaining worker holds the state of commit #5"):
+        _recover(fake_worker(rank=0, last_commit_id=5), state, FAILURE)
+
+
+def test_a_new_rank_0_recovers_the_last_commit_from_the_checkpoint(tmp_path):
+    w = tf.Variable([3.0])
+    writer = elastic.State(variables=[w], checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    writer.commit()  # checkpoint of commit 1
+    w.assign([0.0])
+    joiner = elastic.State(variables=[w], checkpoint_dir=str(tmp_path))
+    _recover(fake_worker(rank=0, last_commit_id=1), joiner, FAILURE)
+    assert w.numpy().tolist() == [3.0] and joiner.commit_id == 1
+
+
+def test_a_rank_without_the_snapshot_that_is_not_rank_0_waits_for_the_sync():
+    state = elastic.State(variables=[tf.Variable([0.0])])
+    _recover(fake_worker(rank=1, last_commit_id=5), state, FAILURE)  # no error: rank 0's sync follows
