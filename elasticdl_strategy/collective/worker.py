@@ -145,6 +145,10 @@ class Worker:
                     response.membership_version,
                     self.membership.version,
                 )
+            elif response.membership_version == self.membership.version:
+                logger.info(
+                    "worker %s: the restarted coordinator asks for this worker's view of the job", self.worker_id
+                )
             elif not self._declared_dead:
                 self._declared_dead = True
                 logger.error(

@@ -95,6 +95,10 @@ class _Worker:
     join_order: int
     last_heartbeat: float
     alive: bool = True
+    # False for members adopted from another worker's report after a coordinator restart, until
+    # they register themselves: their heartbeats are answered "unknown" so that they report their
+    # own last commit (it may be newer).
+    reported: bool = True
 
 
 @dataclasses.dataclass
@@ -258,6 +262,13 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         with self._cond:
             if request.membership.version > self._membership.version:
                 self._recover(request)
+            elif (
+                request.membership.version == self._membership.version
+                and request.last_commit.commit_id > self._last_commit.commit_id
+                and request.last_commit.membership_version == self._membership.version
+            ):
+                # Another worker of the recovered membership knows a later commit than the first reported.
+                self._last_commit.CopyFrom(request.last_commit)
             running = self._membership.version > 0 and self._membership.rank_of(request.worker_id) < 0
             existing = self._workers.get(request.worker_id)
             if existing is not None and existing.alive:
@@ -267,6 +278,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                         f"worker id {request.worker_id!r} is already registered from {existing.address}",
                     )
                 existing.last_heartbeat = self._clock()
+                existing.reported = True
                 join_order = existing.join_order
             else:
                 self._joins += 1
@@ -298,7 +310,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         for member in membership.members:
             if member.worker_id not in self._workers or not self._workers[member.worker_id].alive:
                 self._joins += 1
-                self._workers[member.worker_id] = _Worker(member.worker_id, member.address, self._joins, now)
+                reported = member.worker_id == request.worker_id
+                self._workers[member.worker_id] = _Worker(
+                    member.worker_id, member.address, self._joins, now, True, reported
+                )
         self._membership = membership
         self._barrier = None
         if request.last_commit.commit_id > self._last_commit.commit_id:
@@ -348,7 +363,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request, context):
         with self._cond:
-            known = self._touch(request.worker_id)
+            known = self._touch(request.worker_id) and self._workers[request.worker_id].reported
             return coordinator_pb2.HeartbeatResponse(membership_version=self._membership.version, known=known)
 
     def Leave(self, request, context):

@@ -299,6 +299,13 @@ def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report
     assert c.membership.version == 7 and members(c) == ["a", "b"]
     assert c.last_commit.commit_id == 12 and c.last_commit.position.cursor == 40
     assert commit(c, "a", 12, version=7).recorded  # a member whose reply was lost learns it
+    # a, adopted from b's report, is asked to register itself (its heartbeat is "unknown") ...
+    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7), Context()).known
+    # ... and when it knows a later commit of the same membership, the newest wins.
+    later = pb.CommitRecord(commit_id=13, membership_version=7, position=pb.DataPosition(epoch=1, cursor=48))
+    c.Register(pb.RegisterRequest(worker_id="a", address="h:a", membership=known, last_commit=later), Context())
+    assert c.last_commit.commit_id == 13
+    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7), Context()).known
 
 
 def test_a_finished_job_releases_standbys():
