@@ -24,7 +24,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
@@ -128,7 +128,10 @@ class PodManager:
         self.pods: Dict[str, WorkerPod] = {}
         self.restarts = 0
         self.next_index = 0
-        self.pending_relaunches: List[float] = []  # due times
+        self.pending_relaunches: List[Tuple[float, str]] = []  # (due time, pod it replaces)
+        # Ended pods whose end was fully dealt with (replaced, accepted or reported), kept in the status
+        # so that a restarted master neither replaces them twice nor forgets a replacement it owed.
+        self.settled: Set[str] = set()
         self.failures: List[str] = []
         self.finished = False
         self.outcome: Optional[JobOutcome] = None
@@ -148,10 +151,15 @@ class PodManager:
 
     def start(self) -> None:
         """Adopts the job's existing worker pods (after a master restart), or creates the first ones."""
+        self._read_previous_status()
         existing = self.api.list_namespaced_pod(
             self.config.namespace, label_selector=manifests.selector(self.config, "worker")
         )
         for item in existing.items:
+            if item.metadata.name in self.settled:
+                self.pods[item.metadata.name] = WorkerPod(
+                    int(item.metadata.labels[manifests.WORKER_ID_LABEL]), item.metadata.name, handled=True
+                )
             self.apply("ADDED", item)
         if self.pods:
             self.next_index = 1 + max(p.index for p in self.pods.values())
@@ -160,6 +168,17 @@ class PodManager:
             for _ in range(self.config.workers):
                 self.create_worker()
         self._resource_version = existing.metadata.resource_version
+
+    def _read_previous_status(self) -> None:
+        """After a master restart: the restarts used and the pods already dealt with."""
+        try:
+            data = self.api.read_namespaced_config_map(self.config.status_name, self.config.namespace).data or {}
+        except Exception as e:  # noqa: BLE001 - no status yet (a new job) or unreadable: start afresh
+            logger.debug("no previous status: %s", e)
+            return
+        self.restarts = int(data.get("restarts", "0") or 0)
+        self.settled = set(json.loads(data.get("settled", "[]") or "[]"))
+        self.failures = list(json.loads(data.get("failures", "[]") or "[]"))
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -202,6 +221,8 @@ class PodManager:
             return
         pod.handled = True
         action = decide(pod, self.config.relaunch_on_error, self.training_finished())
+        if action != "relaunch" or self.finished:
+            self.settled.add(pod.name)
         if action == "finished":
             if not self.finished:
                 logger.info("%s finished: training is done", pod.name)
@@ -211,7 +232,7 @@ class PodManager:
             return  # the job is winding down: nothing to replace
         if action == "relaunch" and self.restarts + len(self.pending_relaunches) < self.config.max_restarts:
             delay = min(_BACKOFF_CAP_S, _BACKOFF_START_S * 2 ** (self.restarts + len(self.pending_relaunches)))
-            self.pending_relaunches.append(self.clock() + delay)
+            self.pending_relaunches.append((self.clock() + delay, pod.name))
             logger.warning("%s: relaunching it as a new worker in %.0fs", pod.describe(), delay)
             return
         why = "restart budget spent" if action == "relaunch" else "not relaunched"
@@ -225,14 +246,15 @@ class PodManager:
 
     def relaunch_due(self) -> None:
         now = self.clock()
-        due = [t for t in self.pending_relaunches if t <= now]
-        self.pending_relaunches = [t for t in self.pending_relaunches if t > now]
+        due = [name for t, name in self.pending_relaunches if t <= now]
+        self.pending_relaunches = [(t, name) for t, name in self.pending_relaunches if t > now]
         from kubernetes.client.exceptions import ApiException
 
-        for _ in due:
+        for replaced in due:
             if self.finished:
                 break
             self.restarts += 1
+            self.settled.add(replaced)
             try:
                 pod = self.create_worker()
             except ApiException as e:  # quota, admission webhook, RBAC: counts against the budget
@@ -277,6 +299,8 @@ class PodManager:
             "workers": json.dumps(workers, sort_keys=True),
             "restarts": str(self.restarts),
             "membership_version": str(self.membership_version()),
+            "settled": json.dumps(sorted(self.settled)),
+            "failures": json.dumps(self.failures),
         }
 
     def write_status(self, force: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import types
 
 import pytest
 from kubernetes.client import (
@@ -36,6 +37,11 @@ class FakeCoreApi:
 
     def patch_namespaced_config_map(self, name, namespace, body):
         self.status = body["data"]
+
+    def read_namespaced_config_map(self, name, namespace):
+        if not self.status:
+            raise LookupError("no status yet")
+        return types.SimpleNamespace(data=self.status)
 
 
 class Clock:
@@ -159,7 +165,7 @@ def test_the_restart_budget_is_enforced_with_doubling_backoff():
     for rv, name in enumerate(["job-worker-0", "job-worker-2", "job-worker-3"], start=10):
         m.apply("DELETED", pod(name, rv, "Running"))
         if m.pending_relaunches:
-            delays.append(m.pending_relaunches[-1] - clock.now)
+            delays.append(m.pending_relaunches[-1][0] - clock.now)
         clock.now += 100
         m.relaunch_due()
     assert delays == [1.0, 2.0]
@@ -213,3 +219,24 @@ def test_a_refused_relaunch_counts_against_the_budget_instead_of_crashing():
     m.relaunch_due()
     assert "job-worker-2" not in m.pods and "refused by the API: 403" in m.failures[0]
     assert m.check_outcome().phase == "Failed"
+
+
+def test_a_restarted_master_keeps_the_budget_and_does_not_replace_a_pod_twice():
+    m, api, clock = manager(workers=2, min_workers=1, max_restarts=3)
+    m.apply("MODIFIED", pod("job-worker-0", 10, "Failed", exit_code=137))
+    clock.now += 5
+    m.relaunch_due()  # job-worker-2 replaces job-worker-0
+    m.write_status()
+    created = list(api.created)
+
+    class Listed(FakeCoreApi):
+        def list_namespaced_pod(self, namespace, label_selector=None, **kwargs):
+            items = [pod("job-worker-0", 10, "Failed", exit_code=137), pod("job-worker-1", 11, "Running")]
+            return V1PodList(items=items, metadata=V1ListMeta(resource_version="12"))
+
+    api2 = Listed()
+    api2.status = api.status
+    restarted = PodManager(api2, m.config, m.owner, m.coordinator_address, clock=clock)
+    restarted.start()
+    assert restarted.restarts == 1 and not restarted.pending_relaunches and api2.created == []
+    assert created[-1] == "job-worker-2"
