@@ -65,6 +65,9 @@ def run_master(config: K8sJobConfig, api=None) -> int:
     try:
         outcome = manager.run(should_stop=stop.is_set)
         manager.delete_remaining()  # only once the job's outcome is decided: a crash keeps the workers
+    except BaseException:
+        logger.exception("job %s: the master failed; Kubernetes restarts it and it adopts the workers", config.name)
+        raise
     finally:
         server.stop()
     logger.info("job %s %s: %s", config.name, outcome.phase.lower(), outcome.message)

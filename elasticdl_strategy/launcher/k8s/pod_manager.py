@@ -262,6 +262,11 @@ class PodManager:
                 logger.error(message)
                 self.failures.append(message)
                 continue
+            except Exception as e:  # noqa: BLE001 - a connection error: counts against the budget too
+                message = f"relaunch {self.restarts} failed: {e}"
+                logger.error(message)
+                self.failures.append(message)
+                continue
             logger.warning("relaunched: %s (restart %d of %d)", pod.name, self.restarts, self.config.max_restarts)
 
     # ---- the job ----------------------------------------------------------------------------
