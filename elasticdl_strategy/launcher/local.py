@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 _STDERR_TAIL_LINES = 20
 _COORDINATOR_START_TIMEOUT_S = 30.0
 _STOP_GRACE_S = 5.0
+# After forwarding SIGINT/SIGTERM, how long workers get to finish their step, commit and leave.
+_SIGNAL_GRACE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +178,7 @@ class LocalLauncher:
         self._coordinator: Optional[_Process] = None
         self._workers: List[_Process] = []
         self._stop_signal: Optional[int] = None
+        self._stop_signal_at = 0.0
         self._coordinator_port = 0
         self._coordinator_address = ""
         self._next_index = 0
@@ -240,6 +243,7 @@ class LocalLauncher:
 
     def _forward(self, sig: int, _frame=None) -> None:
         self._stop_signal = sig
+        self._stop_signal_at = time.monotonic()
         for worker in self._workers:
             worker.signal(sig)
 
@@ -318,6 +322,9 @@ class LocalLauncher:
             running = [w for w in self._workers if not w.exited.is_set()]
             failures = self._failures()
             if not running:
+                break
+            if self._stop_signal is not None and time.monotonic() - self._stop_signal_at > _SIGNAL_GRACE_S:
+                self._say(f"{len(running)} worker(s) still running {_SIGNAL_GRACE_S:g}s after the signal: killing them")
                 break
             if (
                 not self.config.elastic
