@@ -160,7 +160,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     @property
     def last_commit(self) -> coordinator_pb2.CommitRecord:
         with self._cond:
-            return coordinator_pb2.CommitRecord().__class__.FromString(self._last_commit.SerializeToString())
+            return coordinator_pb2.CommitRecord.FromString(self._last_commit.SerializeToString())
 
     def _live(self) -> List[_Worker]:
         return sorted((w for w in self._workers.values() if w.alive), key=lambda w: w.join_order)

@@ -56,5 +56,7 @@ def test_a_new_rank_0_recovers_the_last_commit_from_the_checkpoint(tmp_path):
 
 
 def test_a_rank_without_the_snapshot_that_is_not_rank_0_waits_for_the_sync():
-    state = elastic.State(variables=[tf.Variable([0.0])])
+    w = tf.Variable([7.0])
+    state = elastic.State(variables=[w])
     _recover(fake_worker(rank=1, last_commit_id=5), state, FAILURE)  # no error: rank 0's sync follows
+    assert w.numpy().tolist() == [7.0] and state.commit_id == 0  # left as it was for the sync to overwrite
