@@ -34,10 +34,10 @@ class PeerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Transfer = channel.stream_unary(
+        self.Transfer = channel.stream_stream(
                 '/elasticdl_strategy.peer.Peer/Transfer',
                 request_serializer=elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.Frame.SerializeToString,
-                response_deserializer=elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.TransferSummary.FromString,
+                response_deserializer=elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.TransferReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/elasticdl_strategy.peer.Peer/Abort',
@@ -66,10 +66,10 @@ class PeerServicer:
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Transfer': grpc.stream_unary_rpc_method_handler(
+            'Transfer': grpc.stream_stream_rpc_method_handler(
                     servicer.Transfer,
                     request_deserializer=elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.Frame.FromString,
-                    response_serializer=elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.TransferSummary.SerializeToString,
+                    response_serializer=elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.TransferReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -98,12 +98,12 @@ class Peer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/elasticdl_strategy.peer.Peer/Transfer',
             elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.Frame.SerializeToString,
-            elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.TransferSummary.FromString,
+            elasticdl__strategy_dot_transport_dot_protos_dot_peer__pb2.TransferReply.FromString,
             options,
             channel_credentials,
             insecure,
