@@ -2,9 +2,10 @@
 
 Each sender numbers its messages per (receiver, channel, tag); each receive
 takes the next number for its (sender, channel, tag). A message that arrives
-before its receive is posted is kept (as the received frames, without copying)
-until the receive claims it; a receive posted first gets the bytes written
-straight into its :class:`Sink` as the chunks arrive, which for reductions
+before its receive is posted is kept (as the received frames, without copying,
+or as a copy of the shared-memory slots that carried it) until the receive
+claims it; a receive posted first gets the bytes written straight into its
+:class:`Sink` as the chunks arrive, which for reductions
 means the data is reduced while the rest is still on the wire.
 """
 
@@ -113,12 +114,13 @@ class _Entry:
         self.future: futures.Future = futures.Future()
 
     # Called by the stream receiver (MessageWriter protocol).
-    def write(self, offset: int, data: memoryview) -> None:
+    def write(self, offset: int, data: memoryview, borrowed: bool = False) -> None:
         with self.lock:
             if self.future.done():
                 return  # failed: drop the rest of the message
             if self.sink is None:
-                self.buffered.append((offset, data))
+                # A borrowed view (a shared-memory slot) is reused once this returns.
+                self.buffered.append((offset, memoryview(bytes(data)) if borrowed else data))
             else:
                 self._apply(self.sink.write, offset, data)
 

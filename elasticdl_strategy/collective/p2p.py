@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -32,6 +32,7 @@ from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort, settle
 from elasticdl_strategy.transport.frames import encode_header
 from elasticdl_strategy.transport.protos import peer_pb2
+from elasticdl_strategy.transport.shared_memory import SendArena
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,16 @@ class PointToPoint:
         return Request(done, describe, self.rank, self.options.timeout_s, self.rank)
 
     @property
+    def shared_memory_peers(self) -> List[int]:
+        """Ranks whose stream from this rank carries payloads through shared memory."""
+        return sorted(dst for dst, stream in self._streams.items() if stream.uses_shared_memory)
+
+    @property
+    def shared_bytes_sent(self) -> int:
+        """Payload bytes sent through shared memory (included in ``bytes_sent``)."""
+        return sum(stream.shared_bytes_sent for stream in list(self._streams.values()))
+
+    @property
     def bytes_received(self) -> int:
         """Payload bytes of messages this rank's receives have completed."""
         return self.mailbox.bytes_received
@@ -361,10 +372,20 @@ class PointToPoint:
                         src_rank=self.rank, membership_version=self.membership_version, worker_id=self._worker_id
                     )
                     stream = OutboundStream(
-                        channel, hello, self._token, dst, lambda reason: self.peer_failed(dst, reason)
+                        channel, hello, self._token, dst, lambda reason: self.peer_failed(dst, reason), self._arena()
                     )
                     self._streams[dst] = stream
         return stream
+
+    def _arena(self) -> Optional[SendArena]:
+        """A shared-memory arena to offer a peer, or ``None`` (disabled, or no usable directory)."""
+        if not self.options.shared_memory:
+            return None
+        try:
+            return SendArena(self.options.shared_memory_dir, self.options.shm_slots, self.options.shm_slot_size)
+        except OSError as e:
+            logger.debug("rank %d: no shared-memory arena (%s); sending over gRPC", self.rank, e)
+            return None
 
     def close(self, timeout: float = 5.0, abort: Optional[peer_pb2.AbortRequest] = None) -> None:
         """Flushes and ends every stream, then closes the channels. Idempotent.

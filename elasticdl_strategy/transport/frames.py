@@ -44,13 +44,18 @@ def encode_chunk(data: Buffer) -> bytes:
     return b"".join((_CHUNK_TAG, _varint(len(data), _LENGTH_WIDTH), data))
 
 
+def is_chunk(frame: bytes) -> bool:
+    """Whether ``frame`` was made by :func:`encode_chunk` (rather than being a protobuf-encoded frame)."""
+    return frame[: len(_CHUNK_TAG)] == _CHUNK_TAG
+
+
 def chunk_payload(frame: bytes) -> memoryview:
     """Returns a zero-copy view of the payload of a frame made by :func:`encode_chunk`.
 
     Raises:
         ValueError: the frame is not a chunk frame.
     """
-    if frame[: len(_CHUNK_TAG)] != _CHUNK_TAG:
+    if not is_chunk(frame):
         raise ValueError("expected a chunk frame")
     length = 0
     for i, byte in enumerate(frame[len(_CHUNK_TAG) : CHUNK_PREFIX_SIZE]):
@@ -66,6 +71,10 @@ def encode_hello(hello: peer_pb2.StreamHello) -> bytes:
 
 def encode_header(header: peer_pb2.MessageHeader) -> bytes:
     return peer_pb2.Frame(header=header).SerializeToString()
+
+
+def encode_shared_chunk(slot: int, nbytes: int) -> bytes:
+    return peer_pb2.Frame(shared_chunk=peer_pb2.SharedChunk(slot=slot, nbytes=nbytes)).SerializeToString()
 
 
 def encode_goodbye(goodbye: peer_pb2.Goodbye) -> bytes:

@@ -8,6 +8,7 @@ from typing import List, Mapping, Optional, Tuple
 
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.frames import CHUNK_PREFIX_SIZE, MAX_CHUNK_SIZE
+from elasticdl_strategy.transport.shared_memory import MAX_SLOT_SIZE, MAX_SLOTS
 
 MiB = 1 << 20
 
@@ -95,6 +96,13 @@ class TransportOptions:
         slow_warning_s: a collective still waiting after this long logs which
             ranks it waits for (once; it fails at ``timeout_s``).
         tls: TLS files, or ``None`` for plaintext (the job token still applies).
+        shared_memory: offer peers a shared-memory arena for payloads; used
+            with every peer that can map it (same host, or the same memory
+            volume mounted at ``shared_memory_dir``), gRPC otherwise.
+        shared_memory_dir: where arenas are created and looked up.
+        shm_slot_size: bytes per arena slot (the unit copied in and reduced
+            out while the next one is being filled).
+        shm_slots: slots per arena (one arena per peer a worker sends to).
     """
 
     chunk_size: int = 4 * MiB
@@ -104,6 +112,10 @@ class TransportOptions:
     keepalive_s: float = 2.0
     slow_warning_s: float = 10.0
     tls: Optional[TLSConfig] = None
+    shared_memory: bool = True
+    shared_memory_dir: str = "/dev/shm"
+    shm_slot_size: int = 4 * MiB
+    shm_slots: int = 8
 
     def __post_init__(self) -> None:
         if not (64 << 10) <= self.chunk_size <= 64 * MiB or self.chunk_size % 64:
@@ -116,6 +128,12 @@ class TransportOptions:
             raise ConfigError(
                 f"inline_threshold={self.inline_threshold} must be between 0 and chunk_size={self.chunk_size}"
             )
+        if not (64 << 10) <= self.shm_slot_size <= MAX_SLOT_SIZE or self.shm_slot_size % 64:
+            raise ConfigError(
+                f"shm_slot_size={self.shm_slot_size} must be a multiple of 64 between 65536 and {MAX_SLOT_SIZE} bytes"
+            )
+        if not 2 <= self.shm_slots <= MAX_SLOTS:
+            raise ConfigError(f"shm_slots={self.shm_slots} must be between 2 and {MAX_SLOTS}")
         for name in ("timeout_s", "connect_timeout_s", "keepalive_s", "slow_warning_s"):
             value = getattr(self, name)
             if not value > 0:
@@ -150,14 +168,24 @@ class TransportOptions:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
-        ``EDL_SLOW_WARNING`` and TLS."""
+        ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
+        ``EDL_SHM_SLOTS`` and TLS."""
         kwargs = {"tls": TLSConfig.from_env(env)}
+        flag = env.get("EDL_SHARED_MEMORY")
+        if flag:
+            if flag not in ("0", "1"):
+                raise ConfigError(f"EDL_SHARED_MEMORY={flag!r} must be 0 or 1")
+            kwargs["shared_memory"] = flag == "1"
+        if env.get("EDL_SHM_DIR"):
+            kwargs["shared_memory_dir"] = env["EDL_SHM_DIR"]
         for var, name, kind in (
             ("EDL_CHUNK_SIZE", "chunk_size", int),
             ("EDL_TIMEOUT", "timeout_s", float),
             ("EDL_CONNECT_TIMEOUT", "connect_timeout_s", float),
             ("EDL_KEEPALIVE", "keepalive_s", float),
             ("EDL_SLOW_WARNING", "slow_warning_s", float),
+            ("EDL_SHM_SLOT_SIZE", "shm_slot_size", int),
+            ("EDL_SHM_SLOTS", "shm_slots", int),
         ):
             if env.get(var):
                 try:

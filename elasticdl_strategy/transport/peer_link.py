@@ -4,9 +4,12 @@
 A sender keeps one ``Transfer`` stream open per peer for the life of a
 communicator. Messages are queued without blocking and written in order by
 gRPC's request-iterator thread, chunk by chunk, straight from the caller's
-array. The receiving side parses frames and hands headers and chunk payloads
-to a :class:`StreamListener`; what is done with them (matching, copying,
-reducing) belongs to the collective layer.
+array — or, once the peer has mapped the sender's shared-memory arena
+(same host, see :mod:`~elasticdl_strategy.transport.shared_memory`), copied
+into the arena's slots with only a small frame per chunk on the stream. The
+receiving side parses frames and hands headers and chunk payloads to a
+:class:`StreamListener`; what is done with them (matching, copying, reducing)
+belongs to the collective layer.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from concurrent import futures
-from typing import Callable, Deque, Optional, Protocol, Tuple
+from typing import Callable, Deque, Iterator, Optional, Protocol
 
 import grpc
 
@@ -23,6 +27,7 @@ from elasticdl_strategy.errors import CommunicatorClosedError, PeerFailureError
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.auth import call_metadata
 from elasticdl_strategy.transport.protos import peer_pb2
+from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,8 @@ ABORT_METHOD = f"/{SERVICE_NAME}/Abort"
 
 # How often idle waits wake up to check for shutdown.
 _IDLE_POLL_S = 1.0
+# How long the first payload waits for the peer to answer a shared-memory offer.
+_ANSWER_TIMEOUT_S = 10.0
 
 
 def settle(future: futures.Future, error: Optional[BaseException] = None) -> None:
@@ -71,6 +78,8 @@ class OutboundStream:
         peer_rank: rank of the receiving peer (for error messages).
         on_broken: called once, from a gRPC thread, with a reason when the
             stream ends other than through :meth:`close`.
+        arena: a shared-memory arena to offer the peer; payloads go through
+            it once the peer has mapped it, over gRPC until then or if it refuses.
     """
 
     def __init__(
@@ -80,6 +89,7 @@ class OutboundStream:
         token: str,
         peer_rank: int,
         on_broken: Callable[[str], None],
+        arena: Optional[SendArena] = None,
     ):
         self._peer_rank = peer_rank
         self._self_rank = hello.src_rank
@@ -90,16 +100,35 @@ class OutboundStream:
         self._closing = False
         self._goodbye = peer_pb2.Goodbye(reason="closed")
         self._error: Optional[str] = None
+        self._arena = arena
+        self._arena_accepted = False
+        self._arena_answered = False
+        self._reply_reader: Optional[threading.Thread] = None
+        self._free_slots: Deque[int] = collections.deque(range(arena.slots) if arena is not None else ())
         self.bytes_sent = 0
-        call = channel.stream_unary(
+        self.shared_bytes_sent = 0  # of bytes_sent, those that went through shared memory
+        if arena is not None:
+            offering = peer_pb2.StreamHello()
+            offering.CopyFrom(hello)
+            offering.shared_memory.CopyFrom(arena.offer())
+            hello = offering
+        call = channel.stream_stream(
             TRANSFER_METHOD,
             request_serializer=None,
-            response_deserializer=peer_pb2.TransferSummary.FromString,
+            response_deserializer=peer_pb2.TransferReply.FromString,
         )
-        self._call = call.future(
-            self._frames(frames.encode_hello(hello)), metadata=call_metadata(token), wait_for_ready=False
-        )
+        self._call = call(self._frames(frames.encode_hello(hello)), metadata=call_metadata(token), wait_for_ready=False)
         self._call.add_done_callback(self._on_call_done)
+        if arena is not None:
+            self._reply_reader = threading.Thread(
+                target=self._read_replies, name=f"edl-replies-{peer_rank}", daemon=True
+            )
+            self._reply_reader.start()
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether the peer mapped this stream's arena (payloads then go through shared memory)."""
+        return self._arena_accepted
 
     def submit(self, message: OutgoingMessage) -> None:
         """Queues ``message``; never blocks.
@@ -120,10 +149,13 @@ class OutboundStream:
                 self._goodbye = goodbye
             self._closing = True
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout
         try:
             self._call.result(timeout=timeout)
         except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError, futures.TimeoutError):
             self._call.cancel()
+        if self._reply_reader is not None:
+            self._reply_reader.join(timeout=max(0.1, deadline - time.monotonic()))
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
@@ -155,13 +187,83 @@ class OutboundStream:
                     yield frames.encode_goodbye(self._goodbye)
                 return
             yield message.header_frame
-            payload, size = message.payload, message.chunk_size
-            for offset in range(0, len(payload), size):
-                yield frames.encode_chunk(payload[offset : offset + size])
+            payload = message.payload
+            if len(payload) and self._await_answer() and self._arena_accepted:
+                slot_size = self._arena.slot_size
+                for offset in range(0, len(payload), slot_size):
+                    slot = self._free_slot()
+                    if slot is None:
+                        return  # the stream broke: _on_call_done fails this message
+                    nbytes = self._arena.fill(slot, payload[offset : offset + slot_size])
+                    self.shared_bytes_sent += nbytes
+                    yield frames.encode_shared_chunk(slot, nbytes)
+            else:
+                size = message.chunk_size
+                for offset in range(0, len(payload), size):
+                    yield frames.encode_chunk(payload[offset : offset + size])
             # gRPC asks for the next frame only once the last one was written.
             self.bytes_sent += len(payload)
             self._in_flight = None
             settle(message.future)
+
+    def _await_answer(self) -> bool:
+        """Waits (once, before the first payload) for the peer's answer to the arena offer.
+
+        Returns False when the stream broke meanwhile.
+        """
+        if self._arena is None or self._arena_answered:
+            return True
+        deadline = time.monotonic() + _ANSWER_TIMEOUT_S
+        with self._cond:
+            while not self._arena_answered and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning(
+                        "rank %d: rank %d did not answer the shared-memory offer within %gs; sending over gRPC",
+                        self._self_rank,
+                        self._peer_rank,
+                        _ANSWER_TIMEOUT_S,
+                    )
+                    self._arena_answered = True
+                    break
+                self._cond.wait(min(remaining, _IDLE_POLL_S))
+            return self._error is None
+
+    def _free_slot(self) -> Optional[int]:
+        """Waits until the peer has handed a slot back; ``None`` once the stream is broken."""
+        with self._cond:
+            while not self._free_slots:
+                if self._error is not None:
+                    return None
+                self._cond.wait(_IDLE_POLL_S)
+            return self._free_slots.popleft()
+
+    def _read_replies(self) -> None:
+        """Reads the peer's answer to the shared-memory offer, then the slots it hands back."""
+        replies = iter(self._call)
+        try:
+            answer = next(replies)
+            self._arena.unlink()
+            with self._cond:
+                self._arena_accepted = answer.shared_memory_accepted and not self._arena_answered
+                self._arena_answered = True
+                self._cond.notify_all()
+            if not answer.shared_memory_accepted:
+                logger.debug(
+                    "rank %d -> rank %d: no shared memory (%s); sending over gRPC",
+                    self._self_rank,
+                    self._peer_rank,
+                    answer.shared_memory_refusal,
+                )
+                return
+            for reply in replies:
+                with self._cond:
+                    self._free_slots.extend(reply.released_slots)
+                    self._cond.notify_all()
+        except (grpc.RpcError, StopIteration):
+            pass  # the stream ended; _on_call_done reports why
+        finally:
+            self._arena.unlink()
 
     def _on_call_done(self, call: grpc.Future) -> None:
         if call.cancelled():
@@ -195,8 +297,12 @@ class OutboundStream:
 
 
 class MessageWriter(Protocol):
-    def write(self, offset: int, data: memoryview) -> None:
-        """Stores ``data`` at byte ``offset`` of the message."""
+    def write(self, offset: int, data: memoryview, borrowed: bool = False) -> None:
+        """Stores ``data`` at byte ``offset`` of the message.
+
+        ``borrowed`` data (a shared-memory slot) is reused once this returns:
+        keep a copy, not the view.
+        """
 
     def finish(self) -> None:
         """All bytes of the message were written."""
@@ -219,19 +325,26 @@ class StreamListener(Protocol):
 
 
 class PeerService:
-    """Server side of the ``Peer`` service, dispatching to a :class:`StreamListener`."""
+    """Server side of the ``Peer`` service, dispatching to a :class:`StreamListener`.
 
-    def __init__(self, listener: StreamListener):
+    Args:
+        listener: where streams and aborts go.
+        shared_memory_dir: directory in which senders' shared-memory arenas
+            are looked up; ``None`` refuses every offer.
+    """
+
+    def __init__(self, listener: StreamListener, shared_memory_dir: Optional[str] = None):
         self._listener = listener
+        self._shared_memory_dir = shared_memory_dir
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Transfer": grpc.stream_unary_rpc_method_handler(
+                "Transfer": grpc.stream_stream_rpc_method_handler(
                     self._transfer,
                     request_deserializer=None,
-                    response_serializer=peer_pb2.TransferSummary.SerializeToString,
+                    response_serializer=peer_pb2.TransferReply.SerializeToString,
                 ),
                 "Abort": grpc.unary_unary_rpc_method_handler(
                     self._abort,
@@ -245,7 +358,7 @@ class PeerService:
         self._listener.on_abort(request)
         return peer_pb2.AbortResponse()
 
-    def _transfer(self, frame_iterator, context) -> peer_pb2.TransferSummary:
+    def _transfer(self, frame_iterator, context) -> Iterator[peer_pb2.TransferReply]:
         frame_iterator = iter(frame_iterator)
         try:
             first = frames.decode_control(next(frame_iterator))
@@ -254,10 +367,14 @@ class PeerService:
             receiver = self._listener.open_stream(first.hello)
         except (StopIteration, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stream rejected: {e}")
+        arena = None
+        if first.hello.HasField("shared_memory"):
+            arena, refusal = ReceiveArena.open(self._shared_memory_dir, first.hello.shared_memory)
+            yield peer_pb2.TransferReply(shared_memory_accepted=arena is not None, shared_memory_refusal=refusal)
         error: Optional[str] = "the stream ended without a goodbye (the sender died or lost its connection)"
-        messages, goodbye = 0, None
+        goodbye = None
         try:
-            messages, goodbye = self._receive(frame_iterator, receiver)
+            goodbye = yield from self._receive(frame_iterator, receiver, arena)
             error = None
         except grpc.RpcError:
             error = "the connection broke (the sender died or the network failed)"
@@ -268,17 +385,18 @@ class PeerService:
             error = f"receiving failed: {e!r}"
         finally:
             receiver.on_closed(error, goodbye)
+            if arena is not None:
+                arena.close()
         if error is not None:
             context.abort(grpc.StatusCode.DATA_LOSS, error)
-        return peer_pb2.TransferSummary(messages=messages)
 
     @staticmethod
-    def _receive(frame_iterator, receiver: StreamReceiver) -> Tuple[int, peer_pb2.Goodbye]:
-        messages = 0
+    def _receive(frame_iterator, receiver: StreamReceiver, arena: Optional[ReceiveArena]):
+        """Delivers messages until the goodbye, which it returns; yields the replies that hand slots back."""
         for frame in frame_iterator:
             control = frames.decode_control(frame)
             if control.WhichOneof("kind") == "goodbye":
-                return messages, control.goodbye
+                return control.goodbye
             header = control.header
             writer = receiver.on_header(header)
             if header.inline_data or header.nbytes == 0:
@@ -290,11 +408,19 @@ class PeerService:
                     chunk = next(frame_iterator, None)
                     if chunk is None:
                         raise _IncompleteMessage()
-                    payload = frames.chunk_payload(chunk)
-                    writer.write(offset, payload)
-                    offset += len(payload)
+                    if frames.is_chunk(chunk):
+                        payload = frames.chunk_payload(chunk)
+                        writer.write(offset, payload)
+                        offset += len(payload)
+                    else:
+                        shared = frames.decode_control(chunk).shared_chunk
+                        if arena is None:
+                            raise ValueError("a shared-memory chunk on a stream without an arena")
+                        with arena.view(shared) as payload:
+                            writer.write(offset, payload, borrowed=True)
+                        offset += shared.nbytes
+                        yield peer_pb2.TransferReply(released_slots=[shared.slot])
             writer.finish()
-            messages += 1
         raise _IncompleteMessage()  # ended without a goodbye: the sender died
 
 

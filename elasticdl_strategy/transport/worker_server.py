@@ -36,7 +36,7 @@ class WorkerServer:
         self._version = -1
         self.health = health.HealthServicer()
         self._server, self.port = start_server(
-            [PeerService(self).generic_handler()],
+            [PeerService(self, options.shared_memory_dir if options.shared_memory else None).generic_handler()],
             bind,
             token,
             options,

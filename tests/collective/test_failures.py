@@ -14,9 +14,11 @@ def _survivors(results_dir, n, victim):
     return read_reports(results_dir, [r for r in range(n) if r != victim["rank"]])
 
 
+@pytest.mark.parametrize("transport", ["shared-memory", "grpc"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, n):
-    job = run_job(n, [sys.executable, worker_script("peer_killed.py"), str(tmp_path)], timeout=90)
+def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, n, transport):
+    env = {"EDL_SHARED_MEMORY": "1" if transport == "shared-memory" else "0"}
+    job = run_job(n, [sys.executable, worker_script("peer_killed.py"), str(tmp_path)], timeout=90, env=env)
     victim = json.loads((tmp_path / "victim.json").read_text())
     assert job.returncode != 0  # the launcher reports the killed worker
     assert "was killed by signal 9" in job.stderr
@@ -25,6 +27,8 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         assert outcome["peer_rank"] == victim["rank"], outcome
         assert f"rank {victim['rank']}" in outcome["message"]
         assert outcome["at"] - victim["killed_at"] < 2.0, outcome
+        right = (outcome["rank"] + 1) % n
+        assert outcome["shared_memory_peers"] == ([right] if transport == "shared-memory" else []), outcome
 
 
 def test_hung_peer_is_declared_dead_by_the_coordinator_and_survivors_raise(tmp_path):

@@ -39,13 +39,13 @@ def test_peer_rpcs_without_the_token_are_rejected_and_the_ring_is_unaffected(clu
         )
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    transfer = channel.stream_unary(TRANSFER_METHOD, None, peer_pb2.TransferSummary.FromString)
+    transfer = channel.stream_stream(TRANSFER_METHOD, None, peer_pb2.TransferReply.FromString)
     hello = frames.encode_hello(peer_pb2.StreamHello(src_rank=0, membership_version=1))
     header = peer_pb2.MessageHeader(
         channel=1, tag=0, sequence=0, nbytes=8, dtype="float32", shape=[2], inline_data=b"\0" * 8
     )
     with pytest.raises(grpc.RpcError) as info:
-        transfer(iter([hello, frames.encode_header(header)]), metadata=metadata, timeout=5)
+        list(transfer(iter([hello, frames.encode_header(header)]), metadata=metadata, timeout=5))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     channel.close()
 

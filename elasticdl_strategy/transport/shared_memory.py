@@ -1,0 +1,148 @@
+"""Same-host fast path: a sender's arena of fixed-size slots in a shared-memory file.
+
+When two workers share a host (or a memory volume), the bulk bytes of a
+``Transfer`` stream need not cross gRPC and the loopback TCP stack. The sender
+creates a :class:`SendArena` (a file in its shared-memory directory, mapped
+into its address space) and offers it in the stream's hello. The receiver maps
+the same file with :class:`ReceiveArena`; that only works when it sees the same
+directory, and the random nonce at the start of the file proves it is the
+sender's file and not one of the same name elsewhere. From then on the sender
+copies each chunk into a free slot and sends a small ``SharedChunk`` frame
+naming it; the receiver reduces or copies straight out of the slot and hands
+it back. Every signal still travels on the gRPC stream, so a dead peer breaks
+the stream and fails collectives exactly as without shared memory.
+
+Both sides unlink the file as soon as the receiver has mapped it (or refused
+it), so the memory goes away with the last process that maps it, even when a
+worker is killed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import mmap
+import os
+import re
+import secrets
+from typing import Optional, Tuple
+
+import numpy as np
+
+from elasticdl_strategy.transport.protos import peer_pb2
+
+logger = logging.getLogger(__name__)
+
+NAME_PREFIX = "edl-arena-"
+_NAME_PATTERN = re.compile(r"edl-arena-[0-9]+-[0-9a-f]{16}")
+_NONCE_BYTES = 16
+# Slots start on a page boundary after the nonce, so chunks are aligned for any dtype.
+_HEADER_BYTES = mmap.PAGESIZE
+MAX_SLOTS = 1024
+MAX_SLOT_SIZE = 64 << 20
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SendArena:
+    """The sender's side: creates and maps the file, fills slots.
+
+    Which slots are free is tracked by the stream that owns the arena.
+
+    Raises:
+        OSError: the file cannot be created or mapped (no such directory, no
+            space): callers fall back to sending the bytes over gRPC.
+    """
+
+    def __init__(self, directory: str, slots: int, slot_size: int):
+        self.slots = slots
+        self.slot_size = slot_size
+        self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self._path = os.path.join(directory, self.name)
+        self.nonce = secrets.token_bytes(_NONCE_BYTES)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, _HEADER_BYTES + slots * slot_size)
+            self._map = mmap.mmap(fd, _HEADER_BYTES + slots * slot_size)
+        except OSError:
+            _unlink(self._path)
+            raise
+        finally:
+            os.close(fd)
+        self._map[:_NONCE_BYTES] = self.nonce
+        self._slots = [
+            np.frombuffer(self._map, np.uint8, slot_size, _HEADER_BYTES + i * slot_size) for i in range(slots)
+        ]
+
+    def offer(self) -> peer_pb2.SharedMemoryOffer:
+        return peer_pb2.SharedMemoryOffer(name=self.name, nonce=self.nonce, slots=self.slots, slot_size=self.slot_size)
+
+    def fill(self, slot: int, data: memoryview) -> int:
+        """Copies ``data`` (at most one slot) into ``slot``; returns its length."""
+        n = len(data)
+        np.copyto(self._slots[slot][:n], np.frombuffer(data, np.uint8))
+        return n
+
+    def unlink(self) -> None:
+        """Removes the file's name; the mappings stay valid until both sides drop them."""
+        _unlink(self._path)
+
+
+class ReceiveArena:
+    """The receiver's side: a read-only mapping of a sender's arena."""
+
+    def __init__(self, mapping: mmap.mmap, slots: int, slot_size: int):
+        self._map = mapping
+        self.slots = slots
+        self.slot_size = slot_size
+
+    @classmethod
+    def open(cls, directory: Optional[str], offer: peer_pb2.SharedMemoryOffer) -> Tuple[Optional["ReceiveArena"], str]:
+        """Maps the offered arena; returns ``(arena, "")`` or ``(None, why not)``."""
+        if directory is None:
+            return None, "shared memory is disabled on the receiver"
+        if not _NAME_PATTERN.fullmatch(offer.name):
+            return None, f"invalid arena name {offer.name[:80]!r}"
+        if not (0 < offer.slots <= MAX_SLOTS and 0 < offer.slot_size <= MAX_SLOT_SIZE and offer.slot_size % 64 == 0):
+            return None, f"invalid arena geometry ({offer.slots} slots of {offer.slot_size} bytes)"
+        path = os.path.join(directory, offer.name)
+        size = _HEADER_BYTES + offer.slots * offer.slot_size
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            return None, f"cannot open {path}: {e.strerror} (not the same host or memory volume)"
+        try:
+            if os.fstat(fd).st_size != size:
+                return None, f"{path} has the wrong size"
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as e:
+            return None, f"cannot map {path}: {e.strerror}"
+        finally:
+            os.close(fd)
+        if not hmac.compare_digest(mapping[:_NONCE_BYTES], offer.nonce):
+            mapping.close()
+            return None, f"{path} is not the sender's arena (another host's file of the same name?)"
+        _unlink(path)
+        return cls(mapping, offer.slots, offer.slot_size), ""
+
+    def view(self, chunk: peer_pb2.SharedChunk) -> memoryview:
+        """The bytes of ``chunk``; valid until the slot is released.
+
+        Raises:
+            ValueError: the chunk names a slot or length outside the arena.
+        """
+        if not (chunk.slot < self.slots and chunk.nbytes <= self.slot_size):
+            raise ValueError(f"shared chunk (slot {chunk.slot}, {chunk.nbytes} bytes) is outside the arena")
+        start = _HEADER_BYTES + chunk.slot * self.slot_size
+        return memoryview(self._map)[start : start + chunk.nbytes]
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the mapping goes with it

@@ -1,0 +1,161 @@
+"""The same-host shared-memory path: arenas, negotiation, fallback to gRPC, identical results."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.collective.communicator import Communicator
+from elasticdl_strategy.collective.p2p import PointToPoint
+from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.protos import peer_pb2
+from elasticdl_strategy.transport.shared_memory import NAME_PREFIX, ReceiveArena, SendArena
+from elasticdl_strategy.transport.worker_server import WorkerServer
+from tests.cluster import ThreadCluster
+
+SLOT = 64 << 10
+
+
+def _options(directory, **overrides) -> TransportOptions:
+    settings = dict(
+        timeout_s=20.0,
+        connect_timeout_s=5.0,
+        shared_memory_dir=str(directory),
+        shm_slot_size=SLOT,
+        shm_slots=4,
+        inline_threshold=1024,
+    )
+    settings.update(overrides)
+    return TransportOptions(**settings)
+
+
+def _arenas_left(directory):
+    return [name for name in os.listdir(directory) if name.startswith(NAME_PREFIX)]
+
+
+# ---- arenas ----------------------------------------------------------------------------------
+
+
+def test_a_receiver_maps_the_offered_arena_reads_its_slots_and_the_file_is_unlinked(tmp_path):
+    sender = SendArena(str(tmp_path), slots=2, slot_size=SLOT)
+    data = np.arange(SLOT // 4, dtype=np.float32)
+    assert sender.fill(1, memoryview(data).cast("B")) == SLOT
+    receiver, refusal = ReceiveArena.open(str(tmp_path), sender.offer())
+    assert refusal == "" and receiver is not None
+    with receiver.view(peer_pb2.SharedChunk(slot=1, nbytes=SLOT)) as view:
+        np.testing.assert_array_equal(np.frombuffer(view, np.float32), data)
+    assert _arenas_left(tmp_path) == []
+    with pytest.raises(ValueError, match="outside the arena"):
+        receiver.view(peer_pb2.SharedChunk(slot=2, nbytes=8))
+    with pytest.raises(ValueError, match="outside the arena"):
+        receiver.view(peer_pb2.SharedChunk(slot=0, nbytes=SLOT + 1))
+    receiver.close()
+
+
+@pytest.mark.parametrize(
+    "tamper, reason",
+    [
+        (lambda o: setattr(o, "nonce", b"x" * 16), "not the sender's arena"),
+        (lambda o: setattr(o, "name", "../../etc/passwd"), "invalid arena name"),
+        (lambda o: setattr(o, "name", NAME_PREFIX + "1-0123456789abcdef"), "cannot open"),
+        (lambda o: setattr(o, "slots", 3), "wrong size"),
+        (lambda o: setattr(o, "slot_size", 100), "invalid arena geometry"),
+    ],
+    ids=["wrong-nonce", "path-traversal", "missing-file", "wrong-size", "bad-geometry"],
+)
+def test_a_receiver_refuses_an_arena_it_cannot_verify(tmp_path, tamper, reason):
+    sender = SendArena(str(tmp_path), slots=2, slot_size=SLOT)
+    offer = sender.offer()
+    tamper(offer)
+    arena, refusal = ReceiveArena.open(str(tmp_path), offer)
+    assert arena is None and reason in refusal
+    sender.unlink()
+
+
+def test_shared_memory_settings_are_validated_with_one_line_errors():
+    with pytest.raises(ConfigError, match="shm_slot_size=1000"):
+        TransportOptions(shm_slot_size=1000)
+    with pytest.raises(ConfigError, match="shm_slots=1 "):
+        TransportOptions(shm_slots=1)
+    with pytest.raises(ConfigError, match="EDL_SHARED_MEMORY='yes'"):
+        TransportOptions.from_env({"EDL_SHARED_MEMORY": "yes"})
+    options = TransportOptions.from_env({"EDL_SHARED_MEMORY": "0", "EDL_SHM_DIR": "/x", "EDL_SHM_SLOTS": "3"})
+    assert (options.shared_memory, options.shared_memory_dir, options.shm_slots) == (False, "/x", 3)
+
+
+# ---- collectives over shared memory ------------------------------------------------------------
+
+
+def _allreduce_on(cluster, array_for_rank):
+    return cluster.run(lambda c: c.allreduce(array_for_rank(c.rank), op="sum"))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_same_host_peers_send_payloads_through_shared_memory_with_identical_results(tmp_path, n):
+    rng = np.random.default_rng(n)
+    inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(n)]  # several slots, uneven
+    with ThreadCluster(n, _options(tmp_path)) as cluster:
+        shm = _allreduce_on(cluster, lambda r: inputs[r].copy())
+        for comm in cluster.communicators:
+            peers = comm.p2p.shared_memory_peers
+            assert peers == sorted({(comm.rank + 1) % n}), peers  # the ring sends to the right neighbour
+            assert comm.p2p.shared_bytes_sent == comm.p2p.bytes_sent > 0
+        assert _arenas_left(tmp_path) == []  # unlinked once mapped
+    with ThreadCluster(n, _options(tmp_path, shared_memory=False)) as cluster:
+        grpc_only = _allreduce_on(cluster, lambda r: inputs[r].copy())
+        assert all(c.p2p.shared_memory_peers == [] and c.p2p.shared_bytes_sent == 0 for c in cluster.communicators)
+    for r in range(n):
+        np.testing.assert_array_equal(shm[r], shm[0])
+        np.testing.assert_array_equal(shm[r], grpc_only[r])  # same ring order: bitwise the same sums
+
+
+def test_a_message_sent_before_its_receive_is_posted_survives_slot_reuse(tmp_path):
+    with ThreadCluster(2, _options(tmp_path)) as cluster:
+        sender, receiver = (c.p2p for c in cluster.communicators)
+        messages = [np.full(3 * SLOT // 8, i, np.float64) for i in range(6)]  # 6 x 3 slots through 4 slots
+        for i, m in enumerate(messages):
+            sender.isend(m, dst=1, tag=i).wait(timeout=20)  # all buffered at the receiver: none posted
+        assert sender.shared_memory_peers == [1] and sender.shared_bytes_sent == sum(m.nbytes for m in messages)
+        for i in reversed(range(6)):
+            np.testing.assert_array_equal(receiver.recv(src=0, tag=i, timeout=20), messages[i])
+
+
+def test_peers_that_cannot_see_each_others_arena_fall_back_to_grpc(tmp_path):
+    # Each rank has its own shared-memory directory, as on two hosts: offers are refused.
+    token = new_token()
+    options = [_options(tmp_path / f"host{r}") for r in range(2)]
+    for o in options:
+        os.makedirs(o.shared_memory_dir)
+    servers = [WorkerServer("127.0.0.1:0", token, o) for o in options]
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    comms = []
+    try:
+        for r in range(2):
+            p2p = PointToPoint(r, addresses, 1, token, options[r])
+            servers[r].set_listener(1, p2p)
+            comms.append(Communicator(p2p))
+        data = np.arange(200_000, dtype=np.float32)
+        results = [None, None]
+
+        def run(r):
+            results[r] = comms[r].allreduce(data * (r + 1))
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        for r in range(2):
+            np.testing.assert_array_equal(results[r], data * 3)
+            assert comms[r].p2p.shared_memory_peers == [] and comms[r].p2p.shared_bytes_sent == 0
+        for c in comms:
+            c.close(timeout=2.0)
+        assert _arenas_left(options[0].shared_memory_dir) == _arenas_left(options[1].shared_memory_dir) == []
+    finally:
+        for c in comms:
+            c.close(timeout=2.0)
+        for s in servers:
+            s.stop(grace=0.2)
