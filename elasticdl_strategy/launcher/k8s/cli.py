@@ -48,6 +48,11 @@ def _job_parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--rendezvous-timeout", type=float, default=600.0, help="seconds workers wait for a membership")
     p.add_argument("--termination-grace", type=int, default=60, help="seconds a worker gets to leave on SIGTERM")
     p.add_argument("--image-pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument(
+        "--shared-memory-host-path",
+        metavar="DIR",
+        help="node directory mounted in every worker: workers on one node exchange through shared memory",
+    )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config or in-cluster)")
     return p
 
@@ -78,6 +83,7 @@ def _config(parser: argparse.ArgumentParser, argv: List[str]):
             rendezvous_timeout_s=args.rendezvous_timeout,
             termination_grace_s=args.termination_grace,
             image_pull_policy=args.image_pull_policy,
+            shared_memory_host_path=args.shared_memory_host_path,
         )
     except ConfigError as e:
         parser.error(str(e))

@@ -71,6 +71,10 @@ class K8sJobConfig:
     image_pull_policy: str = "IfNotPresent"
     master_cpu: str = "500m"
     master_memory: str = "512Mi"
+    # A directory on the node, mounted into every worker pod as its shared-memory
+    # directory, so that workers scheduled on the same node exchange through shared
+    # memory instead of gRPC. Needs a cluster that allows hostPath volumes.
+    shared_memory_host_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not _DNS_1035_LABEL.match(self.name) or len(self.name) > 63 - _LONGEST_SUFFIX:
@@ -100,6 +104,9 @@ class K8sJobConfig:
             raise ConfigError(f"--priority-class={self.priority_class!r} is not a valid PriorityClass name")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise ConfigError(f"image pull policy {self.image_pull_policy!r} must be Always, IfNotPresent or Never")
+        path = self.shared_memory_host_path
+        if path is not None and (not path.startswith("/") or ".." in path.split("/") or path == "/"):
+            raise ConfigError(f"--shared-memory-host-path={path!r} must be an absolute directory path without '..'")
         for name in ("heartbeat_timeout_s", "rendezvous_timeout_s", "termination_grace_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
@@ -144,6 +151,8 @@ class K8sJobConfig:
             flags += ["--priority-class", self.priority_class]
         if self.relaunch_on_error:
             flags.append("--relaunch-on-error")
+        if self.shared_memory_host_path:
+            flags += ["--shared-memory-host-path", self.shared_memory_host_path]
         for key, value in self.env:
             flags += ["--env", f"{key}={value}"]
         return tuple(flags)

@@ -30,6 +30,7 @@ ROLE_LABEL = "app.kubernetes.io/component"
 WORKER_ID_LABEL = "elasticdl-strategy/worker-id"
 TOKEN_KEY = "token"
 RUN_AS_USER = 10001  # the Dockerfile's non-root user
+SHARED_MEMORY_MOUNT = "/edl-shm"  # where --shared-memory-host-path appears in worker pods
 
 
 def labels(config: K8sJobConfig, role: Optional[str] = None, **extra: str) -> Dict[str, str]:
@@ -219,6 +220,16 @@ def worker_pod(
         "terminationGracePeriodSeconds": config.termination_grace_s,  # time to commit and leave on SIGTERM
         "containers": [container],
     }
+    if config.shared_memory_host_path:
+        # Workers on one node see each other's arenas here; elsewhere offers are refused and gRPC carries the data.
+        env.append({"name": "EDL_SHM_DIR", "value": SHARED_MEMORY_MOUNT})
+        container["volumeMounts"] = [{"name": "edl-shared-memory", "mountPath": SHARED_MEMORY_MOUNT}]
+        spec["volumes"] = [
+            {
+                "name": "edl-shared-memory",
+                "hostPath": {"path": config.shared_memory_host_path, "type": "DirectoryOrCreate"},
+            }
+        ]
     if config.priority_class:
         spec["priorityClassName"] = config.priority_class
     metadata = _metadata(config, config.worker_name(index), "worker", **{WORKER_ID_LABEL: str(index)})

@@ -40,6 +40,7 @@ def k8s(*args, env=None):
         ([*GOOD, "--env", "NOEQUALS"], "--env 'NOEQUALS'"),
         ([*GOOD, "--env", "EDL_JOB_TOKEN=x"], "EDL_ variables are set by the job"),
         ([*GOOD, "--namespace", "Not_A_Namespace"], "--namespace='Not_A_Namespace'"),
+        ([*GOOD, "--shared-memory-host-path", "../shm"], "--shared-memory-host-path='../shm'"),
     ],
 )
 @pytest.mark.parametrize("command", ["submit", "manifest"])

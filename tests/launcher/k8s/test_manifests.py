@@ -1,5 +1,6 @@
 """The job's Kubernetes objects: valid against the OpenAPI schemas, least privilege, secrets by reference."""
 
+import dataclasses
 import base64
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import yaml
 
 from elasticdl_strategy.launcher.k8s import manifests
+from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
 
 # Kubernetes versions the manifests are checked against (native gRPC probes need 1.24+).
@@ -28,6 +30,7 @@ FULL = K8sJobConfig(
     env=(("LOG_LEVEL", "info"),),
     max_restarts=5,
     priority_class="high-priority",
+    shared_memory_host_path="/dev/shm/edl-mnist",
 )
 MINIMAL = K8sJobConfig(name="a", image="edl", command=("python", "x.py"), workers=1)
 
@@ -108,6 +111,22 @@ def test_worker_pods_are_labelled_owned_probed_and_sized():
     assert container["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
 
 
+def test_workers_share_a_node_directory_for_shared_memory_only_when_asked():
+    pod = manifests.worker_pod(FULL, 0, "10.1.2.3:50051")
+    container, spec = pod["spec"]["containers"][0], pod["spec"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["EDL_SHM_DIR"] == "/edl-shm"
+    assert container["volumeMounts"] == [{"name": "edl-shared-memory", "mountPath": "/edl-shm"}]
+    assert spec["volumes"][0]["hostPath"] == {"path": "/dev/shm/edl-mnist", "type": "DirectoryOrCreate"}
+    assert "--shared-memory-host-path" in FULL.job_flags()  # the master recreates the same pods
+
+    plain = manifests.worker_pod(MINIMAL, 0, "10.1.2.3:50051")
+    assert "volumes" not in plain["spec"] and "volumeMounts" not in plain["spec"]["containers"][0]
+    assert "EDL_SHM_DIR" not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
+    with pytest.raises(ConfigError, match="shared-memory-host-path='shm'"):
+        K8sJobConfig(name="a", image="edl", command=("x",), workers=1, shared_memory_host_path="shm")
+
+
 def test_the_master_service_is_headless_and_selects_the_master():
     service = manifests.master_service(FULL)
     assert service["spec"]["clusterIP"] == "None"
@@ -131,3 +150,12 @@ def test_the_rendered_example_in_examples_k8s_validates():
         assert {d["kind"] for d in documents} >= {"Pod", "Secret", "Service", "Role", "RoleBinding", "ServiceAccount"}
         for document in documents:
             kubernetes_validate.validate(document, VERSIONS[-1], strict=True)
+
+
+def test_the_masters_flags_recreate_the_submitted_config():
+    from elasticdl_strategy.launcher.k8s import cli
+
+    for config in (FULL, MINIMAL):
+        parsed, _ = cli._config(cli._job_parser("master"), [*config.job_flags(), "--", *config.command])
+        explicit = dataclasses.replace(config, min_workers=config.min_workers_, max_workers=config.max_workers_)
+        assert parsed == explicit
