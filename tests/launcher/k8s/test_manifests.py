@@ -1,7 +1,7 @@
 """The job's Kubernetes objects: valid against the OpenAPI schemas, least privilege, secrets by reference."""
 
-import dataclasses
 import base64
+import dataclasses
 import subprocess
 import sys
 
@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
 
 # Kubernetes versions the manifests are checked against (native gRPC probes need 1.24+).
