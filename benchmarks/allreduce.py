@@ -1,12 +1,17 @@
-"""All-reduce benchmark: elasticdl_strategy.collective vs torch.distributed (gloo) vs TensorFlow.
+"""All-reduce benchmark: elasticdl_strategy.collective (shared memory, gRPC) vs torch.distributed (gloo) vs TensorFlow.
 
 Usage::
 
-    python benchmarks/allreduce.py [--sizes 4KiB,256KiB,4MiB,64MiB] [--workers 2,4]
-                                   [--repeats 20] [--frameworks ours,gloo,tf] [--json out.json]
+    python benchmarks/allreduce.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--workers 2,4] [--repeats 20]
+                                   [--frameworks shm,grpc,gloo,tf] [--json out.json]
+                                   [--profile PREFIX [--profile-size 64MiB] [--profile-workers 2]]
 
 Frameworks:
-    ours  ``collective.allreduce(x, out=x)``, workers started by ``python -m elasticdl_strategy run``
+    shm   ``collective.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
+          with ``EDL_SHARED_MEMORY=1``: payloads between same-host peers go through the shared-memory
+          arena, gRPC only signals. Checked: from the first size >= 256 KiB on, rank 0's
+          ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory not used" otherwise)
+    grpc  the same with ``EDL_SHARED_MEMORY=0``: every payload over gRPC (``shared_memory_peers`` must be empty)
     gloo  ``torch.distributed.all_reduce`` on the gloo backend (skipped when torch is not installed)
     tf    ``tf.distribute.MultiWorkerMirroredStrategy`` with the RING implementation, a replica-context
           ``all_reduce`` inside ``strategy.run`` of a ``tf.function`` (out-of-place: TF has no in-place form)
@@ -19,20 +24,43 @@ all-reduces, then ``--repeats`` timed ones (fewer for 64 MiB and up, see
 in a barrier; only the all-reduce itself is timed with ``time.perf_counter`` (for TF
 this includes fetching the local result with ``.numpy()``, so the call has finished).
 The last result is checked to equal N everywhere sampled. Rank 0 writes the per-size
-lists of seconds to a JSON file that the parent reads back.
+lists of seconds to a JSON file that the parent reads back. A run (framework, N) is
+stopped after ``--timeout`` seconds, and as soon as one size takes longer than
+``--cell-timeout``; the cell then shows the error and the other runs go on.
 
 Reported per cell: median and min time, algbw = bytes / median and
 busbw = algbw * 2(N-1)/N (the bytes each rank moves in a ring all-reduce, as in
-nccl-tests). The ratio lines are other_median / ours_median: above 1 means ours is faster.
+nccl-tests). The ratio lines are other_median / ours_median for ours = shm and grpc:
+above 1 means ours is faster.
+
+Memory (rank 0 only): before each size the previous buffer is released, the kernel's
+resident-set high-water mark is reset (``"5"`` written to ``/proc/self/clear_refs``,
+Linux >= 4.0) and VmRSS is read; after the size, VmHWM (from ``/proc/self/status``) is the
+peak resident memory of the process during that size: interpreter, libraries, the tensor,
+transport buffers and mapped shared memory that was touched. Where the reset fails the
+peak is ``ru_maxrss``, the peak since the process started. Printed as "peak MiB" and
+"peak/T" (peak over the tensor bytes).
+
+Profile (``--profile PREFIX``): after the table, one extra run per framework shm and grpc
+with only ``--profile-size``, ``--profile-repeats`` timed calls and ``--profile-workers``
+workers, each worker under ``py-spy record --native --threads --rate 200 --format raw``;
+the raw profiles are written to ``PREFIX.<framework>.rank<R>.txt`` and rank 0's 15 functions
+with the most own time (leaf samples summed over all threads) are printed, leaving out
+threads blocked in locks, condition variables, epoll or futexes (py-spy samples native
+waits as active) and the main thread outside ``measure`` (start-up, imports, exit).
+Timings under the profiler are not benchmark numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import os
 import re
+import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -43,15 +71,20 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-FRAMEWORKS = ("ours", "gloo", "tf")
-DEFAULT_SIZES = "4KiB,256KiB,4MiB,64MiB"
+FRAMEWORKS = ("shm", "grpc", "gloo", "tf")
+OURS = ("shm", "grpc")  # our two data paths; the ratio lines compare these with the others
+DEFAULT_SIZES = "4KiB,256KiB,4MiB,64MiB,256MiB"
 DEFAULT_WORKERS = "2,4"
 LARGE_BYTES = 64 << 20  # sizes from here on get fewer repeats
+SHM_CHECK_BYTES = 256 << 10  # from the first size this large on, the shm path must be in use
 RUN_TIMEOUT_S = 600.0  # per framework and worker count
+CELL_TIMEOUT_S = 240.0  # per size within a run
+PROFILE_TOP = 15
+PROFILE_RATE_HZ = 200
 STOP_GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping a process
 LOG_TAIL_LINES = 20
 
@@ -133,12 +166,22 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
+    def check_transport(self, nbytes: int) -> Optional[str]:
+        """After a size: why the data path used is not the one the framework stands for, or None."""
+
 
 class OursBackend:
-    def __init__(self) -> None:
+    """``collective.allreduce``; ``shared_memory`` says which data path ``EDL_SHARED_MEMORY`` selected."""
+
+    def __init__(self, shared_memory: bool) -> None:
         from elasticdl_strategy import collective
 
+        flag = os.environ.get("EDL_SHARED_MEMORY")
+        if flag != ("1" if shared_memory else "0"):
+            raise RuntimeError(f"EDL_SHARED_MEMORY={flag!r} in a {'shm' if shared_memory else 'grpc'} worker")
         self._c = collective
+        self._shared_memory = shared_memory
+        self._large_seen = False
         collective.init()
         self.rank, self.size = collective.rank(), collective.size()
         self._x = np.zeros(0, np.float32)
@@ -160,6 +203,15 @@ class OursBackend:
 
     def close(self) -> None:
         self._c.shutdown()
+
+    def check_transport(self, nbytes: int) -> Optional[str]:
+        if self.size < 2:
+            return None  # nothing is sent
+        peers = self._c.communicator().p2p.shared_memory_peers
+        if not self._shared_memory:
+            return f"shared memory used with EDL_SHARED_MEMORY=0 (to ranks {peers})" if peers else None
+        self._large_seen = self._large_seen or nbytes >= SHM_CHECK_BYTES
+        return "shared memory not used (shared_memory_peers is empty)" if self._large_seen and not peers else None
 
 
 class GlooBackend:
@@ -195,6 +247,9 @@ class GlooBackend:
     def close(self) -> None:
         self._dist.destroy_process_group()
 
+    def check_transport(self, nbytes: int) -> Optional[str]:
+        return None
+
 
 class TFBackend:
     """MultiWorkerMirroredStrategy (RING) from TF_CONFIG; one CPU replica per worker."""
@@ -227,6 +282,7 @@ class TFBackend:
         return self._strategy.experimental_local_results(self._step(x))[0].numpy()
 
     def prepare(self, count: int) -> None:
+        self._out = np.zeros(0, np.float32)
         self._x = self._tf.ones([count], self._tf.float32)
 
     def refill(self) -> None:
@@ -244,8 +300,52 @@ class TFBackend:
     def close(self) -> None:
         pass
 
+    def check_transport(self, nbytes: int) -> Optional[str]:
+        return None
 
-BACKENDS = {"ours": OursBackend, "gloo": GlooBackend, "tf": TFBackend}
+
+BACKENDS: Dict[str, Callable[[], Backend]] = {
+    "shm": lambda: OursBackend(shared_memory=True),
+    "grpc": lambda: OursBackend(shared_memory=False),
+    "gloo": GlooBackend,
+    "tf": TFBackend,
+}
+
+
+class MemoryProbe:
+    """Resident memory of this process per size: VmRSS before, peak (VmHWM reset per size) after."""
+
+    def __init__(self) -> None:
+        self.source = "VmHWM"
+
+    @staticmethod
+    def _status_mib(field_name: str) -> Optional[float]:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field_name + ":"):
+                        return int(line.split()[1]) / 1024  # kB
+        except OSError:
+            pass
+        return None
+
+    def start(self) -> Optional[float]:
+        """Resets the high-water mark if the kernel lets us; returns VmRSS in MiB (None if unknown)."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.source = "ru_maxrss"  # peak since the process started
+        return self._status_mib("VmRSS")
+
+    def peak(self) -> float:
+        """Peak resident MiB since :meth:`start` (or since the process started, see ``source``)."""
+        hwm = self._status_mib("VmHWM") if self.source == "VmHWM" else None
+        if hwm is not None:
+            return hwm
+        self.source = "ru_maxrss"
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere
 
 
 def measure(backend: Backend, count: int, repeats: int, warmup: int) -> List[float]:
@@ -279,16 +379,34 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def worker_main(framework: str, sizes: Sequence[int], repeats: int, warmup: int, results: Path) -> int:
-    """Runs every size; rank 0 rewrites ``results`` after each one (so a crash keeps earlier sizes)."""
+def worker_main(
+    framework: str, sizes: Sequence[int], repeats: int, warmup: int, results: Path, fixed_repeats: bool = False
+) -> int:
+    """Runs every size; rank 0 rewrites ``results`` before and after each one (a crash keeps earlier sizes;
+    ``current`` tells the parent which size is running)."""
     backend: Backend = BACKENDS[framework]()
-    report: Dict[str, dict] = {"seconds": {}, "errors": {}}
+    # which worker has which rank: the parent names the profiles of a --profile run by rank
+    (results.parent / f"rank{backend.rank}.id").write_text(os.environ.get("EDL_WORKER_ID", str(backend.rank)))
+    probe = MemoryProbe()
+    report: Dict[str, object] = {"seconds": {}, "errors": {}, "memory": {}, "current": None}
     for nbytes in sizes:
+        key = str(nbytes)
+        if backend.rank == 0:
+            report["current"] = key
+            _write_json(results, report)
+        backend.prepare(0)  # release the previous buffer before the memory baseline
+        rss_before = probe.start()
         try:
-            report["seconds"][str(nbytes)] = measure(backend, nbytes // 4, repeats_for(nbytes, repeats), warmup)
+            count = repeats if fixed_repeats else repeats_for(nbytes, repeats)
+            report["seconds"][key] = measure(backend, nbytes // 4, count, warmup)
+            problem = backend.check_transport(nbytes)
+            if problem:
+                report["errors"][key] = problem
         except Exception as e:  # record the cell and go on with the next size
             traceback.print_exc()
-            report["errors"][str(nbytes)] = _describe(e)
+            report["errors"][key] = _describe(e)
+        report["memory"][key] = {"rss_before_MiB": rss_before, "peak_MiB": probe.peak(), "source": probe.source}
+        report["current"] = None
         if backend.rank == 0:
             _write_json(results, report)
     backend.barrier()  # nobody leaves while others still communicate
@@ -308,6 +426,13 @@ class Cell:
     nbytes: int
     seconds: List[float] = field(default_factory=list)
     error: Optional[str] = None
+    rss_before_mib: Optional[float] = None  # rank 0's resident MiB before the size
+    peak_mib: Optional[float] = None  # rank 0's peak resident MiB during the size
+    memory_source: Optional[str] = None  # VmHWM (reset per size) or ru_maxrss (since process start)
+
+    @property
+    def peak_per_tensor(self) -> Optional[float]:
+        return None if self.peak_mib is None else self.peak_mib * (1 << 20) / self.nbytes
 
     @property
     def median(self) -> float:
@@ -336,12 +461,26 @@ def free_ports(count: int) -> List[int]:
             s.close()
 
 
-def worker_commands(framework: str, workers: int, worker_args: List[str]) -> List[Tuple[List[str], Dict[str, str]]]:
-    """(argv, env) of each process to start for one run."""
+def profiled(argv: List[str], prefix: str) -> List[str]:
+    """``argv`` under ``py-spy record``, writing ``<prefix>.<EDL_WORKER_ID>.txt`` (the id is read at start)."""
+    script = (
+        f"exec py-spy record --native --threads --rate {PROFILE_RATE_HZ} --format raw "
+        '-o "$0.${EDL_WORKER_ID:-worker}.txt" -- "$@"'
+    )
+    return ["sh", "-c", script, prefix, *argv]
+
+
+def worker_commands(
+    framework: str, workers: int, worker_args: List[str], profile_prefix: Optional[str] = None
+) -> List[Tuple[List[str], Dict[str, str]]]:
+    """(argv, env) of each process to start for one run; with ``profile_prefix`` (shm and grpc only)
+    every worker runs under py-spy."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
     base = dict(os.environ, PYTHONUNBUFFERED="1")
-    if framework == "ours":
-        return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *me], base)]
+    if framework in OURS:
+        env = dict(base, EDL_SHARED_MEMORY="1" if framework == "shm" else "0")
+        command = profiled(me, profile_prefix) if profile_prefix else me
+        return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *command], env)]
     if framework == "gloo":
         port = free_ports(1)[0]
         common = dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(workers))
@@ -371,9 +510,21 @@ def stop(procs: Sequence[subprocess.Popen]) -> None:
                 pass
 
 
-def wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> Optional[str]:
-    """Waits for all processes; returns why the run failed (a non-zero exit or the timeout), or None."""
-    deadline = time.monotonic() + timeout
+def _read_report(results: Path) -> Optional[dict]:
+    try:
+        return json.loads(results.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float, results: Path, cell_timeout: float) -> Optional[str]:
+    """Waits for all processes; returns why the run failed (a non-zero exit, the run's timeout, or one
+    size running longer than ``cell_timeout``, seen in rank 0's ``current``), or None."""
+    started = time.monotonic()
+    deadline = started + timeout
+    current: Optional[str] = None
+    current_since = started
+    next_check = started
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -381,6 +532,15 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> Optional[str]
             return f"process {failed[0][0]} exited with code {failed[0][1]}"
         if all(c == 0 for c in codes):
             return None
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + 0.5
+            report = _read_report(results)
+            running = report.get("current") if report else None
+            if running != current:
+                current, current_since = running, now
+            elif current is not None and now - current_since > cell_timeout:
+                return f"{format_size(int(current))} timed out after {cell_timeout:g} s"
         time.sleep(0.1)
     return f"timed out after {timeout:g} s"
 
@@ -390,41 +550,160 @@ def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def run_one(framework: str, workers: int, args: argparse.Namespace) -> List[Cell]:
-    """Starts the N workers of ``framework``, waits for them, and returns one cell per size."""
+def run_one(
+    framework: str,
+    workers: int,
+    args: argparse.Namespace,
+    sizes: Optional[Sequence[int]] = None,
+    profile_prefix: Optional[str] = None,
+) -> List[Cell]:
+    """Starts the N workers of ``framework``, waits for them, and returns one cell per size.
+
+    With ``profile_prefix`` the workers run under py-spy with ``args.profile_repeats`` timed calls per
+    size, and each raw profile is renamed to ``<profile_prefix>.rank<R>.txt``."""
+    sizes = list(args.sizes if sizes is None else sizes)
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp:
         results, log = Path(tmp) / "results.json", Path(tmp) / "output.log"
         worker_args = [
-            "--sizes", ",".join(map(str, args.sizes)), "--repeats", str(args.repeats),
+            "--sizes", ",".join(map(str, sizes)), "--repeats", str(args.repeats),
             "--warmup", str(args.warmup), "--results", str(results),
         ]  # fmt: skip
+        if profile_prefix:
+            worker_args[3] = str(args.profile_repeats)
+            worker_args.append("--fixed-repeats")
         procs: List[subprocess.Popen] = []
         started = time.monotonic()
         try:
             with open(log, "wb") as out:
-                for argv, env in worker_commands(framework, workers, worker_args):
+                for argv, env in worker_commands(framework, workers, worker_args, profile_prefix):
                     procs.append(
                         subprocess.Popen(
                             argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True,
                         )
                     )  # fmt: skip
-                failure = wait_all(procs, args.timeout)
+                failure = wait_all(procs, args.timeout, results, args.cell_timeout)
         finally:
             stop(procs)
-        report = json.loads(results.read_text()) if results.exists() else {"seconds": {}, "errors": {}}
+        report = _read_report(results) or {}
         elapsed = time.monotonic() - started
         status = "ok" if failure is None else f"FAILED: {failure}"
-        print(f"  {framework:<4} N={workers}: {elapsed:.1f} s, {status}", file=sys.stderr, flush=True)
-        if failure is not None or report["errors"]:
+        label = f"{framework} (under py-spy)" if profile_prefix else framework
+        print(f"  {label:<4} N={workers}: {elapsed:.1f} s, {status}", file=sys.stderr, flush=True)
+        if failure is not None or report.get("errors"):
             print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
+        if profile_prefix:
+            _name_profiles_by_rank(Path(tmp), profile_prefix)
     cells = []
-    for nbytes in args.sizes:
+    for nbytes in sizes:
         key = str(nbytes)
-        seconds = report["seconds"].get(key, [])
-        error = report["errors"].get(key) or (None if seconds else failure or "no result")
-        cells.append(Cell(framework, workers, nbytes, seconds, error))
+        seconds = report.get("seconds", {}).get(key, [])
+        error = report.get("errors", {}).get(key) or (None if seconds else failure or "no result")
+        memory = report.get("memory", {}).get(key, {})
+        cells.append(
+            Cell(
+                framework, workers, nbytes, seconds, error,
+                memory.get("rss_before_MiB"), memory.get("peak_MiB"), memory.get("source"),
+            )
+        )  # fmt: skip
     return cells
+
+
+def _name_profiles_by_rank(tmp: Path, prefix: str) -> None:
+    """Renames ``<prefix>.<worker id>.txt`` to ``<prefix>.rank<R>.txt`` from the ids the workers wrote."""
+    for id_file in sorted(tmp.glob("rank*.id")):
+        rank = id_file.stem[len("rank") :]
+        source = Path(f"{prefix}.{id_file.read_text().strip()}.txt")
+        if source.exists():
+            os.replace(source, f"{prefix}.rank{rank}.txt")
+
+
+# ---------------------------------------------------------------------------
+# Profile summary: own time per function from py-spy's raw format
+# ---------------------------------------------------------------------------
+
+
+_LINE_NUMBER = re.compile(r":\d+\)$")
+_ADDRESS = re.compile(r"^0x[0-9a-fA-F]+ ")
+# Frames near the leaf that mean the thread is blocked in the kernel, not using a core: py-spy --native
+# samples such native waits as active. ``syscall`` as a leaf is gRPC's futex wait.
+_WAIT_MARKERS = (
+    "PyThread_acquire_lock_timed", "lock_PyThread_acquire_lock", "pthread_cond_wait", "pthread_cond_timedwait",
+    "pthread_cond_clockwait", "epoll_wait", "epoll_pwait", "sem_wait", "sem_timedwait", "sem_clockwait",
+    "nanosleep", "poll (", "select (",
+)  # fmt: skip
+
+
+def _function_of(frame: str) -> str:
+    """``"f (mod.py:12)"`` -> ``"f (mod.py)"``; an unresolved native ``"0x7f.. (libc.so.6)"`` -> ``"? (libc.so.6)"``."""
+    return _ADDRESS.sub("? ", _LINE_NUMBER.sub(")", frame.strip()))
+
+
+def _leaf_name(frames: Sequence[str]) -> str:
+    """The leaf function; an unresolved one (no symbols, e.g. libc's memmove) with its nearest resolved caller."""
+    leaf = _function_of(frames[-1])
+    if not leaf.startswith("? "):
+        return leaf
+    for frame in reversed(frames[:-1]):
+        caller = _function_of(frame)
+        if not caller.startswith(("? ", "thread (")):
+            return f"{leaf} in {caller}"
+    return leaf
+
+
+def own_time(raw: Path) -> Tuple[collections.Counter, Dict[str, int]]:
+    """Samples per leaf function of the on-CPU stacks of a py-spy raw file (lines ``frame;...;leaf COUNT``,
+    outermost frame first, the thread first with ``--threads``), and the totals: ``cpu`` (in the counter),
+    ``waiting`` (blocked in locks, condition variables, epoll, futexes) and ``outside`` (the main thread
+    outside :func:`measure`, i.e. start-up, imports, rendezvous, exit; any import stack)."""
+    leaves: collections.Counter = collections.Counter()
+    totals = {"cpu": 0, "waiting": 0, "outside": 0}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count, frames = int(count_text), stack.split(";")
+        main_thread = frames[0].startswith("thread (") and frames[0].endswith(": MainThread")
+        if "_find_and_load" in stack or (main_thread and not any(f.startswith("measure (") for f in frames)):
+            totals["outside"] += count
+        elif frames[-1].startswith("syscall ") or any(m in f for f in frames[-4:] for m in _WAIT_MARKERS):
+            totals["waiting"] += count
+        else:
+            leaves[_leaf_name(frames)] += count
+            totals["cpu"] += count
+    return leaves, totals
+
+
+def print_profile(framework: str, workers: int, raw: Path, cell: Cell) -> None:
+    timing = cell.error or f"median {cell.median * 1e3:.1f} ms under the profiler"
+    print(f"\nProfile {framework}, N = {workers}, {format_size(cell.nbytes)} ({timing}), rank 0: {raw}")
+    if not raw.exists():
+        print("  (no profile written: see the output above)")
+        return
+    leaves, totals = own_time(raw)
+    cpu = max(totals["cpu"], 1)
+    print(
+        f"  samples at {PROFILE_RATE_HZ} Hz summed over threads: {totals['cpu']} on CPU; left out: "
+        f"{totals['waiting']} blocked (locks, condition variables, epoll, futex), {totals['outside']} of the "
+        f"main thread outside measure() (start-up, imports, exit)"
+    )
+    print(f"  top {PROFILE_TOP} functions by own time (% of the on-CPU samples):")
+    print(f"  {'own %':>6} {'samples':>8}  function")
+    for name, count in leaves.most_common(PROFILE_TOP):
+        print(f"  {100 * count / cpu:5.1f}% {count:8d}  {name}")
+
+
+def run_profiles(args: argparse.Namespace, frameworks: Sequence[str]) -> None:
+    if shutil.which("py-spy") is None:
+        print("note: --profile needs py-spy on PATH (pip install py-spy); no profile taken", file=sys.stderr)
+        return
+    for framework in (fw for fw in OURS if fw in frameworks):
+        prefix = f"{args.profile}.{framework}"
+        for stale in Path(prefix).parent.glob(Path(prefix).name + ".*.txt"):
+            stale.unlink()
+        (cell,) = run_one(framework, args.profile_workers, args, [args.profile_size], prefix)
+        print_profile(framework, args.profile_workers, Path(f"{prefix}.rank0.txt"), cell)
+        sys.stdout.flush()
 
 
 # ---------------------------------------------------------------------------
@@ -437,15 +716,16 @@ def method_line(args: argparse.Namespace) -> str:
     return (
         f"Method: median over {args.repeats} repeats ({large} for sizes >= {format_size(LARGE_BYTES)}) "
         f"after {args.warmup} warmups, barrier before each timed call, float32 sum, in-place "
-        f"(TF: out-of-place), local processes; machine: {os.cpu_count()} CPU cores (os.cpu_count())."
+        f"(TF: out-of-place), local processes; machine: {os.cpu_count()} CPU cores (os.cpu_count()). "
+        "Memory: rank 0's peak resident set during each size (VmHWM reset per size)."
     )
 
 
 def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], sizes: Sequence[int]) -> None:
     print(f"\nN = {workers} workers")
-    columns = ("median ms", "min ms", "algbw GB/s", "busbw GB/s")
+    columns = ("median ms", "min ms", "algbw GB/s", "busbw GB/s", "peak MiB", "peak/T")
     print(f"{'size':>8} | {'framework':<9} | " + " | ".join(f"{c:>9}" for c in columns))
-    print("-" * 70)
+    print("-" * 101)
     by_key = {(c.framework, c.nbytes): c for c in cells}
     for nbytes in sizes:
         for fw in frameworks:
@@ -453,23 +733,37 @@ def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], 
             head = f"{format_size(nbytes):>8} | {fw:<9} | "
             if c.error:
                 print(head + f"error: {c.error[:100]}")
-            else:
-                print(
-                    head + f"{c.median * 1e3:9.3f} | {min(c.seconds) * 1e3:9.3f} | {c.algbw:10.3f} | {c.busbw:10.3f}"
-                )
-    if "ours" not in frameworks or len(frameworks) < 2:
-        return
-    print("Ratios (other median / ours median = ours busbw / other busbw; > 1 means ours is faster):")
-    for nbytes in sizes:
-        ours = by_key[("ours", nbytes)]
-        parts = []
-        for fw in frameworks:
-            if fw == "ours":
                 continue
-            other = by_key[(fw, nbytes)]
-            ratio = "n/a" if ours.error or other.error else f"{other.median / ours.median:.2f}×"
-            parts.append(f"ours vs {fw}: {ratio}" + (" (busbw ratio)" if fw == "gloo" else ""))
-        print(f"{format_size(nbytes):>8}: " + "   ".join(parts))
+            memory = f"{'n/a':>9} | {'n/a':>9}"
+            if c.peak_mib is not None:
+                ratio = c.peak_per_tensor
+                memory = f"{c.peak_mib:9.0f} | " + (f"{ratio:8.2f}×" if ratio < 1000 else f"{'>1000':>8}×")
+            print(
+                head
+                + f"{c.median * 1e3:9.3f} | {min(c.seconds) * 1e3:9.3f} | {c.algbw:10.3f} | {c.busbw:10.3f} | "
+                + memory
+            )
+    if any(c.memory_source == "ru_maxrss" for c in cells):
+        print("(peak MiB marked from ru_maxrss: the high-water mark could not be reset; it is the peak since start)")
+    pairs = [(ours, other) for ours in OURS if ours in frameworks for other in frameworks if other not in OURS]
+    if "shm" in frameworks and "grpc" in frameworks:
+        pairs.append(("shm", "grpc"))
+    if not pairs:
+        return
+    print(
+        "Ratios (other median / ours median; > 1 means ours is faster; "
+        "vs gloo = ours busbw / gloo busbw, the same number):"
+    )
+    for nbytes in sizes:
+        for i, ours_fw in enumerate(fw for fw in OURS if any(p[0] == fw for p in pairs)):
+            ours = by_key[(ours_fw, nbytes)]
+            parts = []
+            for other_fw in (o for f, o in pairs if f == ours_fw):
+                other = by_key[(other_fw, nbytes)]
+                ratio = "n/a" if ours.error or other.error else f"{other.median / ours.median:.2f}×"
+                parts.append(f"vs {other_fw} {ratio}")
+            size = format_size(nbytes) if i == 0 else ""
+            print(f"{size:>8}  {ours_fw:<4}: " + "   ".join(parts))
 
 
 def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> None:
@@ -480,11 +774,18 @@ def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> No
         "warmup": args.warmup,
         "results": [
             {
-                "framework": c.framework, "workers": c.workers, "bytes": c.nbytes, "seconds": c.seconds,
+                "framework": c.framework,
+                "workers": c.workers,
+                "bytes": c.nbytes,
+                "seconds": c.seconds,
                 "error": c.error,
                 "median_s": None if c.error else c.median,
                 "algbw_GBps": None if c.error else c.algbw,
                 "busbw_GBps": None if c.error else c.busbw,
+                "rss_before_MiB": c.rss_before_mib,
+                "peak_MiB": c.peak_mib,
+                "peak_per_tensor": c.peak_per_tensor,
+                "memory_source": c.memory_source,
             }  # fmt: skip
             for c in cells
         ],
@@ -494,7 +795,7 @@ def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> No
 
 def available_frameworks(requested: Sequence[str]) -> List[str]:
     """Drops frameworks whose package is not installed, with a note."""
-    modules = {"ours": "elasticdl_strategy", "gloo": "torch", "tf": "tensorflow"}
+    modules = {"shm": "elasticdl_strategy", "grpc": "elasticdl_strategy", "gloo": "torch", "tf": "tensorflow"}
     chosen = []
     for fw in requested:
         if importlib.util.find_spec(modules[fw]) is None:
@@ -510,14 +811,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", type=_int_list, default=_int_list(DEFAULT_WORKERS), help=f"default {DEFAULT_WORKERS}")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per size (default 20; fewer from 64 MiB)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per size (default 3)")
-    p.add_argument("--frameworks", type=_framework_list, default=list(FRAMEWORKS), help="default ours,gloo,tf")
+    p.add_argument(
+        "--frameworks", type=_framework_list, default=list(FRAMEWORKS), help=f"default {','.join(FRAMEWORKS)}"
+    )
     p.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
-    p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds per framework and N (default 600)")
+    p.add_argument(
+        "--timeout", type=float, default=RUN_TIMEOUT_S, help=f"seconds per framework and N (default {RUN_TIMEOUT_S:g})"
+    )
+    p.add_argument(
+        "--cell-timeout", type=float, default=CELL_TIMEOUT_S,
+        help=f"seconds one size may run before its run is stopped (default {CELL_TIMEOUT_S:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", metavar="PREFIX",
+        help="after the table, profile shm and grpc under py-spy: PREFIX.<framework>.rank<R>.txt (raw format)",
+    )  # fmt: skip
+    p.add_argument("--profile-size", type=parse_size, default=parse_size("64MiB"), help="default 64MiB")
+    p.add_argument("--profile-workers", type=int, default=2, help="default 2")
+    p.add_argument("--profile-repeats", type=int, default=20, help="timed calls in the profiled run (default 20)")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)  # internal: worker mode
     p.add_argument("--results", type=Path, help=argparse.SUPPRESS)  # internal: where rank 0 writes
+    p.add_argument("--fixed-repeats", action="store_true", help=argparse.SUPPRESS)  # internal: no repeats_for
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.profile_repeats < 1 or args.profile_workers < 1:
+        p.error("--repeats, --profile-repeats and --profile-workers must be >= 1 and --warmup >= 0")
+    if args.timeout <= 0 or args.cell_timeout <= 0:
+        p.error("--timeout and --cell-timeout must be positive")
     return args
 
 
@@ -528,7 +847,7 @@ def _raise_interrupt(signum: int, _frame) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args.worker, args.sizes, args.repeats, args.warmup, args.results)
+        return worker_main(args.worker, args.sizes, args.repeats, args.warmup, args.results, args.fixed_repeats)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the workers
     frameworks = available_frameworks(args.frameworks)
     print(method_line(args))
@@ -539,6 +858,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cells += run_cells
             print_table(workers, run_cells, frameworks, args.sizes)
             sys.stdout.flush()
+        if args.profile:
+            run_profiles(args, frameworks)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

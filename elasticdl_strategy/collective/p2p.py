@@ -30,7 +30,6 @@ from elasticdl_strategy.errors import (
 from elasticdl_strategy.transport.endpoints import open_channel
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort, settle
-from elasticdl_strategy.transport.frames import encode_header
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import SendArena
 
@@ -208,9 +207,7 @@ class PointToPoint:
         describe = lambda: f"send to rank {dst} (tag {tag})"  # noqa: E731
         if dst == self.rank:
             return self._send_to_self(header, payload, describe)
-        message = OutgoingMessage(
-            encode_header(header), memoryview(payload)[:0] if inline else memoryview(payload), header.chunk_size
-        )
+        message = OutgoingMessage(header, memoryview(payload)[:0] if inline else memoryview(payload), header.chunk_size)
         self._stream_to(dst).submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 

@@ -37,6 +37,8 @@ ABORT_METHOD = f"/{SERVICE_NAME}/Abort"
 
 # How often idle waits wake up to check for shutdown.
 _IDLE_POLL_S = 1.0
+# Smallest piece of a message put in one shared-memory slot: below it, signalling costs more than the overlap gains.
+_MIN_PIECE = 256 << 10
 # How long the first payload waits for the peer to answer a shared-memory offer.
 _ANSWER_TIMEOUT_S = 10.0
 
@@ -59,13 +61,20 @@ class OutgoingMessage:
     transport; the payload memory must stay unchanged until then.
     """
 
-    __slots__ = ("header_frame", "payload", "chunk_size", "future")
+    __slots__ = ("header", "payload", "chunk_size", "future")
 
-    def __init__(self, header_frame: bytes, payload: memoryview, chunk_size: int):
-        self.header_frame = header_frame
+    def __init__(self, header: peer_pb2.MessageHeader, payload: memoryview, chunk_size: int):
+        self.header = header
         self.payload = payload
         self.chunk_size = chunk_size
         self.future: futures.Future = futures.Future()
+
+
+def _piece_size(nbytes: int, slot_size: int) -> int:
+    """Bytes per shared-memory piece of an ``nbytes`` message: about a quarter of it, so that the
+    receiver reduces one piece while the next is being copied in, within [256 KiB, slot size],
+    a multiple of 64 so that pieces split no element."""
+    return min(slot_size, max(_MIN_PIECE, -(-nbytes // 4 // 64) * 64))
 
 
 class OutboundStream:
@@ -186,18 +195,22 @@ class OutboundStream:
                 if self._error is None:
                     yield frames.encode_goodbye(self._goodbye)
                 return
-            yield message.header_frame
-            payload = message.payload
+            header, payload = message.header, message.payload
             if len(payload) and self._await_answer() and self._arena_accepted:
-                slot_size = self._arena.slot_size
-                for offset in range(0, len(payload), slot_size):
+                piece = _piece_size(len(payload), self._arena.slot_size)
+                for offset in range(0, len(payload), piece):
                     slot = self._free_slot()
                     if slot is None:
                         return  # the stream broke: _on_call_done fails this message
-                    nbytes = self._arena.fill(slot, payload[offset : offset + slot_size])
+                    nbytes = self._arena.fill(slot, payload[offset : offset + piece])
                     self.shared_bytes_sent += nbytes
-                    yield frames.encode_shared_chunk(slot, nbytes)
+                    if offset == 0:
+                        header.shared_chunk.slot, header.shared_chunk.nbytes = slot, nbytes
+                        yield frames.encode_header(header)
+                    else:
+                        yield frames.encode_shared_chunk(slot, nbytes)
             else:
+                yield frames.encode_header(header)
                 size = message.chunk_size
                 for offset in range(0, len(payload), size):
                     yield frames.encode_chunk(payload[offset : offset + size])
@@ -404,6 +417,8 @@ class PeerService:
                     writer.write(0, memoryview(header.inline_data))
             else:
                 offset = 0
+                if header.HasField("shared_chunk"):
+                    offset = yield from PeerService._read_shared(arena, header.shared_chunk, writer, offset)
                 while offset < header.nbytes:
                     chunk = next(frame_iterator, None)
                     if chunk is None:
@@ -414,14 +429,19 @@ class PeerService:
                         offset += len(payload)
                     else:
                         shared = frames.decode_control(chunk).shared_chunk
-                        if arena is None:
-                            raise ValueError("a shared-memory chunk on a stream without an arena")
-                        with arena.view(shared) as payload:
-                            writer.write(offset, payload, borrowed=True)
-                        offset += shared.nbytes
-                        yield peer_pb2.TransferReply(released_slots=[shared.slot])
+                        offset = yield from PeerService._read_shared(arena, shared, writer, offset)
             writer.finish()
         raise _IncompleteMessage()  # ended without a goodbye: the sender died
+
+    @staticmethod
+    def _read_shared(arena: Optional[ReceiveArena], shared: peer_pb2.SharedChunk, writer, offset: int):
+        """Hands a shared-memory piece to ``writer``, yields the reply that frees its slot; returns the next offset."""
+        if arena is None:
+            raise ValueError("a shared-memory chunk on a stream without an arena")
+        with arena.view(shared) as payload:
+            writer.write(offset, payload, borrowed=True)
+        yield peer_pb2.TransferReply(released_slots=[shared.slot])
+        return offset + shared.nbytes
 
 
 class _IncompleteMessage(Exception):
