@@ -15,6 +15,12 @@ EDL_TIMEOUT                default deadline of collectives and receives (default
 EDL_CHUNK_SIZE             bytes per streamed chunk (default 4 MiB)
 EDL_CONNECT_TIMEOUT        seconds to wait for a peer's server (default 10)
 EDL_KEEPALIVE              seconds between HTTP/2 keepalive pings (default 2)
+EDL_SLOW_WARNING           seconds before a waiting collective logs whom it waits for
+EDL_SHARED_MEMORY          1 (default): payloads to peers that can map this worker's
+                           arenas go through shared memory; 0: always gRPC
+EDL_SHM_DIR                directory of the shared-memory arenas (default /dev/shm)
+EDL_SHM_SLOT_SIZE          bytes per arena slot (default 4 MiB)
+EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 8)
 EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)
 =========================  ===================================================
 """
