@@ -180,12 +180,20 @@ def stats() -> Dict[str, int]:
     }
 
 
-def allreduce(array, op: str = "sum", out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
+def allreduce(
+    array,
+    op: str = "sum",
+    out: Optional[np.ndarray] = None,
+    timeout: Optional[float] = None,
+    compression: Optional[str] = None,
+) -> np.ndarray:
     """Reduces ``array`` over all ranks with ``op`` ("sum", "mean", "min", "max", "prod").
 
     Every rank gets a bitwise-identical result. Pass ``out=array`` to reduce in place.
+    ``compression="fp16"`` or ``"bf16"`` sends 16-bit values (float32/float64 arrays,
+    sum/mean/min/max); see :meth:`Communicator.allreduce` for the accuracy.
     """
-    return communicator().allreduce(array, op=op, out=out, timeout=timeout)
+    return communicator().allreduce(array, op=op, out=out, timeout=timeout, compression=compression)
 
 
 def reduce(array, root: int = 0, op: str = "sum", timeout: Optional[float] = None) -> Optional[np.ndarray]:

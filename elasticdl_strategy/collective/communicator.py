@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from elasticdl_strategy.collective import compression as wire_compression
 from elasticdl_strategy.collective import ring
 from elasticdl_strategy.collective.dtypes import as_supported_array, check_reduce_op, dtype_name
 from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint
@@ -49,11 +50,13 @@ def _describe(d: peer_pb2.CollectiveDescriptor) -> str:
         parts.append(f"op={d.reduce_op}")
     if d.root >= 0:
         parts.append(f"root={d.root}")
+    if d.compression:
+        parts.append(f"compression={d.compression}")
     return f"{d.op}({', '.join(parts)})"
 
 
 def _differences(mine: peer_pb2.CollectiveDescriptor, theirs: peer_pb2.CollectiveDescriptor) -> List[str]:
-    differs = [f for f in ("op", "dtype", "reduce_op", "root") if getattr(mine, f) != getattr(theirs, f)]
+    differs = [f for f in ("op", "dtype", "reduce_op", "root", "compression") if getattr(mine, f) != getattr(theirs, f)]
     if list(mine.shape) != list(theirs.shape):
         differs.append("shape")
     return differs
@@ -82,6 +85,7 @@ class Communicator:
         self._error_factory: Optional[Callable[[], CommunicationError]] = None
         self._abort_request: Optional[peer_pb2.AbortRequest] = None
         self._active: Optional[ring.CollectiveCall] = None
+        self._staging = wire_compression.StagingBuffers()  # 16-bit buffers of compressed all-reduces
         p2p.header_observer = self._observe
         p2p.abort_observer = self._on_remote_abort
         p2p.failure_observer = self._on_peer_failure
@@ -103,7 +107,12 @@ class Communicator:
     # ---- collectives ----------------------------------------------------------------------
 
     def allreduce(
-        self, array, op: str = "sum", out: Optional[np.ndarray] = None, timeout: Optional[float] = None
+        self,
+        array,
+        op: str = "sum",
+        out: Optional[np.ndarray] = None,
+        timeout: Optional[float] = None,
+        compression: Optional[str] = None,
     ) -> np.ndarray:
         """Reduces ``array`` over all ranks; every rank gets the bitwise-identical result.
 
@@ -113,17 +122,46 @@ class Communicator:
             out: optional C-contiguous array of the same shape and dtype to
                 write the result into (may be ``array`` itself, for in-place).
             timeout: seconds; default the communicator's.
+            compression: ``None`` or "none" (exact), or "fp16" / "bf16": the
+                values travel as 16-bit floats, halving the bytes of a float32
+                all-reduce. Only for float32/float64 arrays and ops "sum",
+                "mean", "min", "max"; every rank must pass the same value.
+
+        With compression, each value is rounded once to 16 bits before it is
+        sent, the partial sums accumulate in float32 (float64 for float64
+        arrays), and the final result is rounded once more to 16 bits. The
+        error per element is thus about 2^-8 (bf16) or 2^-11 (fp16) relative
+        to the largest magnitudes involved (inputs and partial sums), growing
+        with the number of ranks. fp16 values beyond 65504 (inputs, partial
+        sums or the result) become inf; bf16 has float32's range. With a
+        single rank there is no wire and the result is exact.
 
         Returns:
             the reduced array (``out`` when given).
         """
         array = as_supported_array(array)
         ufunc = check_reduce_op(op, array.dtype)
+        if compression is not None:
+            wire = wire_compression.check_compression(compression, array.dtype, op)
+            if wire is not None:
+                return self._allreduce_compressed(array, op, ufunc, out, timeout, wire)
         result = self._output_buffer(array, out)
         step = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
         with self._running(step):
             if self.size > 1:
                 ring.allreduce(step, result.reshape(-1), ufunc)
+                step.finish_sends()
+        if op == "mean":
+            np.divide(result, self.size, out=result, casting="unsafe")
+        return result
+
+    def _allreduce_compressed(self, array, op, ufunc, out, timeout, wire: str) -> np.ndarray:
+        result = self._output_buffer(array, out)
+        step = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout, compression=wire)
+        with self._running(step):
+            if self.size > 1:
+                send16, recv16 = self._staging.get(result.size, wire_compression.WIRE_DTYPES[wire])
+                ring.allreduce_compressed(step, result.reshape(-1), ufunc, send16, recv16)
                 step.finish_sends()
         if op == "mean":
             np.divide(result, self.size, out=result, casting="unsafe")
@@ -313,7 +351,9 @@ class Communicator:
 
     # ---- sequencing, mismatch detection, aborts -------------------------------------------
 
-    def _begin(self, op: str, dtype, shape, reduce_op: str = "", root: int = -1, timeout=None) -> ring.CollectiveCall:
+    def _begin(
+        self, op: str, dtype, shape, reduce_op: str = "", root: int = -1, timeout=None, compression: str = ""
+    ) -> ring.CollectiveCall:
         timeout = self.timeout_s if timeout is None else timeout
         if not timeout > 0:
             raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
@@ -325,6 +365,7 @@ class Communicator:
             shape=[int(x) for x in shape],
             reduce_op=reduce_op,
             root=root,
+            compression=compression,
         )
         self._sequence += 1
         with self._lock:

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from elasticdl_strategy.collective import compression
 from elasticdl_strategy.collective.mailbox import ArraySink, ReduceSink
 from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint, Request
 from elasticdl_strategy.errors import CollectiveTimeoutError
@@ -68,6 +69,10 @@ class CollectiveCall:
     def recv_reduce(self, acc: np.ndarray, ufunc: Callable, src: int) -> Request:
         return self.p2p.irecv(src, channel=COLLECTIVE_CHANNEL, sink=ReduceSink(self.p2p.rank, acc, ufunc))
 
+    def recv_reduce_widening(self, acc: np.ndarray, ufunc: Callable, src: int, wire_dtype: np.dtype) -> Request:
+        sink = compression.WideningReduceSink(self.p2p.rank, acc, ufunc, wire_dtype)
+        return self.p2p.irecv(src, channel=COLLECTIVE_CHANNEL, sink=sink)
+
     def wait(self, request: Request):
         now = time.monotonic()
         if self._warn_at is not None and now < self._warn_at < self.deadline:
@@ -120,3 +125,78 @@ def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     bounds = even_bounds(flat.size, step.p2p.size)
     reduce_scatter(step, flat, bounds, ufunc, owned=1)
     allgather(step, flat, bounds, owned=1)
+
+
+def reduce_scatter_compressed(
+    step: CollectiveCall,
+    flat: np.ndarray,
+    bounds: Sequence[Tuple[int, int]],
+    ufunc: Callable,
+    send16: np.ndarray,
+    owned: int,
+) -> None:
+    """Ring reduce-scatter in place on the 1-D float ``flat`` with a 16-bit wire.
+
+    Each step rounds the segment it sends into ``send16`` (16-bit, the length
+    of ``flat``; each segment goes to its own place, so no send waits for an
+    earlier one) and widens the incoming segment into ``flat``. Afterwards
+    segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.
+    """
+    p2p = step.p2p
+    n, rank = p2p.size, p2p.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for s in range(n - 1):
+        send_a, send_b = bounds[(rank + owned - 1 - s) % n]
+        recv_a, recv_b = bounds[(rank + owned - 2 - s) % n]
+        request = step.recv_reduce_widening(flat[recv_a:recv_b], ufunc, left, send16.dtype)
+        compression.encode(flat[send_a:send_b], send16[send_a:send_b])
+        step.send(send16[send_a:send_b], right)
+        step.wait(request)
+
+
+def allgather_compressed(
+    step: CollectiveCall,
+    flat: np.ndarray,
+    bounds: Sequence[Tuple[int, int]],
+    send16: np.ndarray,
+    recv16: np.ndarray,
+    owned: int,
+) -> None:
+    """Ring all-gather of 16-bit segments, widened into the 1-D float ``flat``.
+
+    Each rank starts with its segment ``(rank + owned) % N`` already rounded in
+    ``send16`` (and widened back into ``flat``); the others arrive in ``recv16``,
+    are forwarded from there unchanged and widened into ``flat``.
+    """
+    p2p = step.p2p
+    n, rank = p2p.size, p2p.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    pending = None
+    for s in range(n - 1):
+        send_a, send_b = bounds[(rank + owned - s) % n]
+        recv_a, recv_b = bounds[(rank + owned - 1 - s) % n]
+        request = step.recv_into(recv16[recv_a:recv_b], left)
+        step.send((send16 if s == 0 else recv16)[send_a:send_b], right)
+        if pending is not None:  # widen the previous segment while this one travels
+            compression.decode(recv16[pending[0] : pending[1]], flat[pending[0] : pending[1]])
+        step.wait(request)
+        pending = (recv_a, recv_b)
+    if pending is not None:
+        compression.decode(recv16[pending[0] : pending[1]], flat[pending[0] : pending[1]])
+
+
+def allreduce_compressed(
+    step: CollectiveCall, flat: np.ndarray, ufunc: Callable, send16: np.ndarray, recv16: np.ndarray
+) -> None:
+    """Ring all-reduce in place on the 1-D float ``flat``, 16-bit values on the wire.
+
+    ``send16`` and ``recv16`` are 16-bit staging buffers of ``flat``'s length.
+    The owner of each reduced segment rounds it to 16 bits and keeps the
+    rounded value itself too, so every rank ends with the same bits.
+    """
+    bounds = even_bounds(flat.size, step.p2p.size)
+    reduce_scatter_compressed(step, flat, bounds, ufunc, send16, owned=1)
+    own_a, own_b = bounds[(step.p2p.rank + 1) % step.p2p.size]
+    compression.encode(flat[own_a:own_b], send16[own_a:own_b])
+    compression.decode(send16[own_a:own_b], flat[own_a:own_b])
+    allgather_compressed(step, flat, bounds, send16, recv16, owned=1)
