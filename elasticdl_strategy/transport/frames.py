@@ -49,6 +49,13 @@ def is_chunk(frame: bytes) -> bool:
     return frame[: len(_CHUNK_TAG)] == _CHUNK_TAG
 
 
+def _chunk_length(frame: bytes) -> int:
+    length = 0
+    for i, byte in enumerate(frame[len(_CHUNK_TAG) : CHUNK_PREFIX_SIZE]):
+        length |= (byte & 0x7F) << (7 * i)
+    return length
+
+
 def chunk_payload(frame: bytes) -> memoryview:
     """Returns a zero-copy view of the payload of a frame made by :func:`encode_chunk`.
 
@@ -57,12 +64,41 @@ def chunk_payload(frame: bytes) -> memoryview:
     """
     if not is_chunk(frame):
         raise ValueError("expected a chunk frame")
-    length = 0
-    for i, byte in enumerate(frame[len(_CHUNK_TAG) : CHUNK_PREFIX_SIZE]):
-        length |= (byte & 0x7F) << (7 * i)
+    length = _chunk_length(frame)
     if length != len(frame) - CHUNK_PREFIX_SIZE:
         raise ValueError(f"chunk frame says {length} bytes but holds {len(frame) - CHUNK_PREFIX_SIZE}")
     return memoryview(frame)[CHUNK_PREFIX_SIZE:]
+
+
+def encode_whole_message(payload: Buffer, header: peer_pb2.MessageHeader) -> bytes:
+    """One frame holding a whole message: its payload as a chunk frame, then its header frame.
+
+    Saves the separate header frame (a gRPC message, with its thread
+    handoffs) for messages that fit in one chunk. The payload comes first so
+    that it stays 8-byte aligned and is found without parsing protobuf.
+    """
+    return b"".join((_CHUNK_TAG, _varint(len(payload), _LENGTH_WIDTH), payload, encode_header(header)))
+
+
+def split_whole_message(frame: bytes):
+    """Returns ``(payload view, header)`` of a frame made by :func:`encode_whole_message`,
+    or ``None`` for a plain chunk frame.
+
+    Raises:
+        ValueError: the frame is not a chunk frame.
+    """
+    if not is_chunk(frame):
+        raise ValueError("expected a chunk frame")
+    length = _chunk_length(frame)
+    end = CHUNK_PREFIX_SIZE + length
+    if end == len(frame):
+        return None
+    if end > len(frame):
+        raise ValueError(f"chunk frame says {length} bytes but holds {len(frame) - CHUNK_PREFIX_SIZE}")
+    control = decode_control(memoryview(frame)[end:])
+    if control.WhichOneof("kind") != "header":
+        raise ValueError("a whole-message frame must end with a header")
+    return memoryview(frame)[CHUNK_PREFIX_SIZE:end], control.header
 
 
 def encode_hello(hello: peer_pb2.StreamHello) -> bytes:

@@ -209,6 +209,8 @@ class OutboundStream:
                         yield frames.encode_header(header)
                     else:
                         yield frames.encode_shared_chunk(slot, nbytes)
+            elif 0 < len(payload) <= message.chunk_size:
+                yield frames.encode_whole_message(payload, header)
             else:
                 yield frames.encode_header(header)
                 size = message.chunk_size
@@ -407,6 +409,15 @@ class PeerService:
     def _receive(frame_iterator, receiver: StreamReceiver, arena: Optional[ReceiveArena]):
         """Delivers messages until the goodbye, which it returns; yields the replies that hand slots back."""
         for frame in frame_iterator:
+            if frames.is_chunk(frame):  # a whole message in one frame
+                whole = frames.split_whole_message(frame)
+                if whole is None:
+                    raise ValueError("a chunk frame without a message header")
+                payload, header = whole
+                writer = receiver.on_header(header)
+                writer.write(0, payload)
+                writer.finish()
+                continue
             control = frames.decode_control(frame)
             if control.WhichOneof("kind") == "goodbye":
                 return control.goodbye

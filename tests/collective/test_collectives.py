@@ -1,8 +1,9 @@
 """Every collective against numpy, N = 1..4 ranks, random shapes, dtypes and ops.
 
 Ranks run as threads of this process, each with its own gRPC server and
-streams (the same code path as separate processes); the multi-process runs
-are in test_multiprocess.py.
+streams (the same code path as separate processes), once with payloads through
+shared memory and once over gRPC; the multi-process runs are in
+test_multiprocess.py.
 """
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from elasticdl_strategy.collective.dtypes import SUPPORTED_DTYPES
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.options import TransportOptions
 from tests.cluster import ThreadCluster
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
 
@@ -29,9 +31,11 @@ PROPERTY_SETTINGS = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def clusters():
-    made = {n: ThreadCluster(n) for n in SIZES}
+@pytest.fixture(scope="module", params=["shared-memory", "grpc"])
+def clusters(request):
+    """Clusters of every size, with payloads through shared memory (the default on one host) or gRPC."""
+    options = TransportOptions(timeout_s=20.0, connect_timeout_s=5.0, shared_memory=request.param == "shared-memory")
+    made = {n: ThreadCluster(n, options) for n in SIZES}
     yield made
     for cluster in made.values():
         cluster.close()

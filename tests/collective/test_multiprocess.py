@@ -10,10 +10,14 @@ from tests.launch import run_job, worker_script
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_collective_dtype_and_edge_size_in_processes(tmp_path, n):
+@pytest.mark.parametrize(
+    "n, transport", [(1, "shared-memory"), (2, "shared-memory"), (2, "grpc"), (3, "grpc"), (4, "shared-memory")]
+)
+def test_every_collective_dtype_and_edge_size_in_processes(tmp_path, n, transport):
     extra_flags = ["--64mib"] if n in (2, 4) else []
-    job = run_job(n, [sys.executable, worker_script("collectives_matrix.py"), str(tmp_path), *extra_flags], timeout=240)
+    env = {"EDL_SHARED_MEMORY": "1" if transport == "shared-memory" else "0"}
+    command = [sys.executable, worker_script("collectives_matrix.py"), str(tmp_path), *extra_flags]
+    job = run_job(n, command, timeout=240, env=env)
     assert job.returncode == 0, job.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
     assert sorted(r["rank"] for r in reports) == list(range(n))

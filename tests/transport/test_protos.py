@@ -68,3 +68,18 @@ def test_control_frames_round_trip():
     assert frames.decode_control(frames.encode_goodbye(peer_pb2.Goodbye(reason="bye"))).WhichOneof("kind") == "goodbye"
     with pytest.raises(ValueError):
         frames.chunk_payload(frames.encode_header(header))
+
+
+def test_a_whole_message_frame_splits_into_its_aligned_payload_and_header():
+    payload = np.arange(1000, dtype=np.float64)
+    header = peer_pb2.MessageHeader(channel=1, tag=3, sequence=9, nbytes=payload.nbytes, dtype="float64", shape=[1000])
+    frame = frames.encode_whole_message(memoryview(payload).cast("B"), header)
+    view, parsed = frames.split_whole_message(frame)
+    np.testing.assert_array_equal(np.frombuffer(view, np.float64), payload)
+    assert parsed == header and view.obj is frame  # a view into the received frame, not a copy
+    assert frames.CHUNK_PREFIX_SIZE % 8 == 0
+    assert frames.split_whole_message(frames.encode_chunk(b"abc")) is None  # a plain chunk
+    with pytest.raises(ValueError):
+        frames.split_whole_message(frame[: frames.CHUNK_PREFIX_SIZE + 10])
+    with pytest.raises(ValueError):
+        frames.split_whole_message(frames.encode_header(header))
