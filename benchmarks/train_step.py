@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/train_step.py [--models mlp,cnn] [--frameworks single,tf,ours]
                                     [--batch 256] [--steps 30] [--repeats 3] [--warmup 5] [--json out.json]
+                                    [--bucket-mib 64] [--overlap on] [--pipeline on]
 
 Setups (global batch B in every one):
     single  one process, no strategy, batch B
@@ -27,13 +28,21 @@ step so that the step has finished. After ``--warmup`` untimed steps, ``--repeat
 median window is reported (samples/s = B / that). Rank 0 writes the results to a JSON file that
 the parent reads back.
 
-Breakdown of ours, measured beside the training (the library is not instrumented): one step
-sends the gradients of one dtype as one fused buffer, so the same number of
-``collective.allreduce`` calls on a float32 buffer of the parameter count is timed the same
-way; compute and the rest ~ step time - that. The bytes this rank sent per training step
-(``collective.stats()``) confirm the size. The bridge into Python is timed as a ``tf.function``
-calling ``tf.numpy_function`` with an identity function, on a tensor of the parameter count
-and on a 1-element one.
+Breakdown of ours, measured beside the training: the gradients travel in buckets of at most
+``--bucket-mib`` MiB (``AllReduceStrategy(bucket_bytes=...)``), and the bucket all-reduces per
+step are counted (``bridge.counters()``). ``collective.allreduce`` of one float32 buffer of the
+parameter count is timed the same way as the steps; compute and the rest ~ step time - that.
+The bytes this rank sent per training step (``collective.stats()``) confirm the size. The
+bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function`` with an
+identity function, on a tensor of the parameter count and on a 1-element one.
+
+Variants of ours: ``--bucket-mib 4,16,64``, ``--overlap on,off`` (off: one numpy_function for
+all the buckets of a step instead of one per bucket, so no reduction starts before backprop
+ends) and ``--pipeline on,off`` (with overlap off: pack bucket k+1 on a helper thread during
+the ring of bucket k) give several variants; they run in the SAME worker processes, each with
+its own model and traced step, and their timed windows are interleaved (window r of every
+variant, then window r+1), so that the shared machine's drift hits them alike. The first
+variant is the "ours" of the main table.
 """
 
 from __future__ import annotations
@@ -67,6 +76,8 @@ from allreduce import (  # noqa: E402  (the process handling of the all-reduce b
     wait_all,
 )
 
+MIB = 1 << 20
+
 MODELS = ("mlp", "cnn")
 FRAMEWORKS = ("single", "tf", "ours")
 MODEL_TITLES = {
@@ -87,6 +98,23 @@ def _choice_list(choices: Sequence[str]) -> Callable[[str], List[str]]:
         return names
 
     return parse
+
+
+def _number_list(text: str) -> List[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
+    return values
+
+
+def _switch_list(text: str) -> List[bool]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or any(n not in ("on", "off") for n in names):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
+    return [n == "on" for n in names]
 
 
 def setup_title(framework: str, workers: int) -> str:
@@ -132,7 +160,7 @@ def synthetic_batch(name: str, batch: int) -> Tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def make_strategy(framework: str):
+def make_strategy(framework: str, bucket_mib: float = 64):
     """(strategy or None, rank, number of workers)."""
     import tensorflow as tf
 
@@ -146,8 +174,41 @@ def make_strategy(framework: str):
         return strategy, int(strategy.cluster_resolver.task_id), strategy.num_replicas_in_sync
     from elasticdl_strategy import AllReduceStrategy, collective
 
-    strategy = AllReduceStrategy()
+    strategy = AllReduceStrategy(bucket_bytes=bucket_bytes(bucket_mib))
     return strategy, collective.rank(), strategy.num_replicas_in_sync
+
+
+def bucket_bytes(mib: float) -> int:
+    return max(1, int(mib * MIB))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of ours: bucket size, one numpy_function per bucket (overlap) or not, pipelining."""
+
+    bucket_mib: float
+    overlap: bool
+    pipeline: bool
+
+    @property
+    def title(self) -> str:
+        how = "per-bucket numpy_functions (overlap)" if self.overlap else "one numpy_function"
+        if not self.overlap:
+            how += ", pipelined" if self.pipeline else ", not pipelined"
+        return f"buckets <= {self.bucket_mib:g} MiB, {how}"
+
+
+def ours_variants(args: argparse.Namespace) -> List[Variant]:
+    """The variants to measure, the first (first of every flag) first; pipelining only matters without overlap
+    (with overlap every numpy_function reduces one bucket)."""
+    variants: List[Variant] = []
+    for mib in args.bucket_mib:
+        for overlap in args.overlap:
+            for pipeline in args.pipeline if not overlap else args.pipeline[:1]:
+                variant = Variant(mib, overlap, pipeline if not overlap else True)
+                if variant not in variants:
+                    variants.append(variant)
+    return variants
 
 
 def local_batch(strategy, x: np.ndarray, y: np.ndarray):
@@ -247,21 +308,70 @@ def measure_ours_allreduce(count: int, steps: int, repeats: int, warmup: int) ->
 
 
 def measure_model(framework: str, name: str, strategy, args: argparse.Namespace) -> dict:
+    if framework == "ours":
+        return measure_ours(name, strategy, args)
     model, run_step = make_train_step(name, strategy, args.batch)
     features, labels = local_batch(strategy, *synthetic_batch(name, args.batch))
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     for _ in range(args.warmup):
         run_step(features, labels)
     result = {"params": params}
-    if framework != "ours":
-        result["step_s"] = window_seconds(lambda: run_step(features, labels), args.steps, args.repeats)
-        return result
-
-    from elasticdl_strategy import collective
-
-    sent_before = collective.stats()["bytes_sent"]
     result["step_s"] = window_seconds(lambda: run_step(features, labels), args.steps, args.repeats)
-    result["sent_bytes_per_step"] = (collective.stats()["bytes_sent"] - sent_before) / (args.steps * args.repeats)
+    return result
+
+
+def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
+    """Every variant of ours in these processes, timed in interleaved windows; then the breakdown."""
+    from elasticdl_strategy import AllReduceStrategy, collective
+    from elasticdl_strategy.strategy import bridge
+
+    variants = ours_variants(args)
+    strategies = {variants[0].bucket_mib: strategy}
+    features, labels = local_batch(strategy, *synthetic_batch(name, args.batch))
+    steps, params = [], 0
+    defaults = bridge._OVERLAP, bridge._PIPELINE
+    try:
+        for variant in variants:
+            if variant.bucket_mib not in strategies:
+                strategies[variant.bucket_mib] = AllReduceStrategy(bucket_bytes=bucket_bytes(variant.bucket_mib))
+            model, run_step = make_train_step(name, strategies[variant.bucket_mib], args.batch)
+            params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+            bridge._OVERLAP, bridge._PIPELINE = variant.overlap, variant.pipeline  # read when traced / called
+            for _ in range(args.warmup):
+                run_step(features, labels)
+            steps.append(run_step)
+        seconds: List[List[float]] = [[] for _ in variants]
+        buckets = [0] * len(variants)
+        allocations_before = bridge.counters()["staging_allocations"]
+        sent_before = collective.stats()["bytes_sent"]
+        for _ in range(args.repeats):
+            for i, (variant, run_step) in enumerate(zip(variants, steps, strict=True)):
+                bridge._PIPELINE = variant.pipeline
+                before = bridge.counters()["buckets"]
+                seconds[i] += window_seconds(lambda: run_step(features, labels), args.steps, 1)  # noqa: B023
+                buckets[i] += bridge.counters()["buckets"] - before
+        sent = collective.stats()["bytes_sent"] - sent_before
+        allocations = bridge.counters()["staging_allocations"] - allocations_before
+    finally:
+        bridge._OVERLAP, bridge._PIPELINE = defaults
+    timed_steps = args.steps * args.repeats
+    result = {
+        "params": params,
+        "step_s": seconds[0],
+        "buckets_per_step": buckets[0] / timed_steps,
+        "sent_bytes_per_step": sent / (timed_steps * len(variants)),
+        "staging_allocations_per_step": allocations / (timed_steps * len(variants)),
+        "variants": [
+            {
+                "bucket_mib": v.bucket_mib,
+                "overlap": v.overlap,
+                "pipeline": v.pipeline,
+                "step_s": seconds[i],
+                "buckets_per_step": buckets[i] / timed_steps,
+            }
+            for i, v in enumerate(variants)
+        ],
+    }
     result["allreduce_s"] = measure_ours_allreduce(params, args.steps, args.repeats, args.warmup)
     result["bridge_s"] = measure_bridge(params, args.steps, args.repeats, args.warmup)
     result["bridge_tiny_s"] = measure_bridge(1, args.steps, args.repeats, args.warmup)
@@ -270,7 +380,7 @@ def measure_model(framework: str, name: str, strategy, args: argparse.Namespace)
 
 def worker_main(args: argparse.Namespace) -> int:
     """Measures every model; rank 0 rewrites ``args.results`` after each one."""
-    strategy, rank, _ = make_strategy(args.worker)
+    strategy, rank, _ = make_strategy(args.worker, args.bucket_mib[0])
     report: Dict[str, dict] = {"models": {}, "errors": {}}
     for name in args.models:
         try:
@@ -329,6 +439,9 @@ def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
             "--steps": args.steps,
             "--repeats": args.repeats,
             "--warmup": args.warmup,
+            "--bucket-mib": ",".join(f"{m:g}" for m in args.bucket_mib),
+            "--overlap": ",".join("on" if o else "off" for o in args.overlap),
+            "--pipeline": ",".join("on" if o else "off" for o in args.pipeline),
             "--results": results,
         }
         worker_args = [str(item) for option in options.items() for item in option]
@@ -347,7 +460,7 @@ def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
                             start_new_session=True,
                         )
                     )
-                failure = wait_all(procs, args.timeout)
+                failure = wait_all(procs, args.timeout, results, args.timeout)
         finally:
             stop(procs)
         report = json.loads(results.read_text()) if results.exists() else {"models": {}, "errors": {}}
@@ -405,13 +518,26 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
     step, comm = ours.median_ms(), ours.median_ms("allreduce_s")
     print(
         f"Breakdown of ours (ms/step): step {step:.2f} = gradient all-reduce {comm:.2f} "
-        f"(collective.allreduce of {format_mib(4 * ours.data['params'])}, timed separately) "
-        f"+ compute and the rest {step - comm:.2f}; this rank sent {format_mib(ours.data['sent_bytes_per_step'])}/step"
+        f"(collective.allreduce of {format_mib(4 * ours.data['params'])} in one call, timed separately) "
+        f"+ compute and the rest {step - comm:.2f}; this rank sent {format_mib(ours.data['sent_bytes_per_step'])}/step; "
+        f"{ours.data['buckets_per_step']:g} bucket all-reduce(s)/step (buckets <= {args.bucket_mib[0]:g} MiB); "
+        f"staging buffers allocated per timed step (all variants): {ours.data['staging_allocations_per_step']:g}"
     )
     print(
         f"  bridge (tf.function + identity tf.numpy_function, ms/call): {ours.median_ms('bridge_s'):.3f} "
         f"for {format_mib(4 * ours.data['params'])}, {ours.median_ms('bridge_tiny_s'):.3f} for 1 element"
     )
+    variants = ours.data.get("variants", [])
+    if len(variants) > 1:
+        print("Variants of ours (same processes, interleaved windows; ratio = samples/s over the first's):")
+        first = statistics.median(variants[0]["step_s"])
+        for v in variants:
+            title = Variant(v["bucket_mib"], v["overlap"], v["pipeline"]).title
+            median = statistics.median(v["step_s"])
+            print(
+                f"  {title:<58} | {args.batch / median:7.1f} samples/s | {median * 1e3:7.2f} ms/step | "
+                f"{v['buckets_per_step']:g} buckets/step | {first / median:.2f}x"
+            )
 
 
 def write_json(path: str, args: argparse.Namespace, results: Sequence[Result]) -> None:
@@ -451,6 +577,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="worker processes for tf and ours (default 2)")
     p.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds per setup (default 600)")
+    p.add_argument(
+        "--bucket-mib",
+        type=_number_list,
+        default=[64.0],
+        help="ours: AllReduceStrategy(bucket_bytes=...) in MiB; a list (4,16,64) measures each (default 64)",
+    )
+    p.add_argument(
+        "--overlap",
+        type=_switch_list,
+        default=[True],
+        help="ours: on = one numpy_function per bucket, off = one for all; on,off measures both (default on)",
+    )
+    p.add_argument(
+        "--pipeline",
+        type=_switch_list,
+        default=[True],
+        help="ours, with --overlap off: pack the next bucket during the ring of this one (default on)",
+    )
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)  # internal: worker mode
     p.add_argument("--results", type=Path, help=argparse.SUPPRESS)  # internal: where rank 0 writes
     args = p.parse_args(argv)

@@ -64,6 +64,17 @@ class AllReduceStrategy(distribute_lib.Strategy):
             By default only rank 0 does: the others call
             ``keras.config.disable_interactive_logging()``, which sends Keras'
             messages to the (quiet by default) absl log instead of stdout.
+        bucket_bytes: most bytes fused into one ring all-reduce (default 64 MiB,
+            a positive int). Gradients are grouped by dtype into buckets of at
+            most this size, last layers first, and a larger tensor gets a bucket
+            of its own; in a ``tf.function`` each bucket is reduced as soon as its
+            gradients exist, while backprop computes the earlier layers'.
+            Smaller buckets start sooner but each costs a ring round trip.
+        compression: ``"fp16"`` or ``"bf16"`` to send float32/float64 tensors
+            all-reduced in replica context (gradients) as 16-bit values on the
+            wire; the additions stay in the tensors' dtype. Integer and 16-bit
+            tensors, and ``strategy.reduce`` (losses, metrics), are never
+            compressed. Default ``None``: full precision.
     """
 
     def __init__(
@@ -72,13 +83,22 @@ class AllReduceStrategy(distribute_lib.Strategy):
         sparse_as_dense: bool = False,
         save_on_all_ranks: bool = False,
         log_all_ranks: bool = False,
+        bucket_bytes: int = bridge.DEFAULT_BUCKET_BYTES,
+        compression: Optional[str] = None,
     ):
         if timeout is not None and not timeout > 0:
             raise ConfigError(
                 f"AllReduceStrategy(timeout={timeout!r}): the timeout must be a positive number of seconds"
             )
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
+            raise ConfigError(
+                f"AllReduceStrategy(bucket_bytes={bucket_bytes!r}): the bucket size must be a positive integer "
+                "number of bytes"
+            )
+        if compression is not None and not (isinstance(compression, str) and compression in bridge.COMPRESSIONS):
+            raise ConfigError(f"AllReduceStrategy(compression={compression!r}): expected None, 'fp16' or 'bf16'")
         collective.init()
-        super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense))
+        super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense, int(bucket_bytes), compression))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
         if collective.rank() != 0 and not log_all_ranks:
             import keras
@@ -176,10 +196,19 @@ def _local(value):
 class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
     """One replica per worker process, on this worker's CPU."""
 
-    def __init__(self, container_strategy: AllReduceStrategy, timeout: Optional[float], sparse_as_dense: bool):
+    def __init__(
+        self,
+        container_strategy: AllReduceStrategy,
+        timeout: Optional[float],
+        sparse_as_dense: bool,
+        bucket_bytes: int = bridge.DEFAULT_BUCKET_BYTES,
+        compression: Optional[str] = None,
+    ):
         super().__init__(container_strategy)
         self._timeout = timeout
         self._sparse_as_dense = sparse_as_dense
+        self._bucket_bytes = bucket_bytes
+        self._compression = compression
         self._device = device_util.resolve("/cpu:0")
         self._input_device = device_util.get_host_for_device(self._device)
 
@@ -270,19 +299,26 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
             return fn(*args, **kwargs)
 
     def _reduce_to(self, reduce_op, value, destinations, options):
+        # strategy.reduce and reads of sync-on-read variables (losses, metrics): never compressed.
         flat = nest.flatten(value)
-        reduced = self._batch_reduce_to(reduce_op, [(v, destinations) for v in flat], options)
+        reduced = self._reduce_values(reduce_op, [_local(v) for v in flat], compression=None)
         return nest.pack_sequence_as(value, reduced)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        op = "mean" if _as_reduce_op(reduce_op) == reduce_util.ReduceOp.MEAN else "sum"
+        # ReplicaContext.all_reduce (the Keras optimizers' gradient reduction) comes here.
         values = [_local(value) for value, _ in value_destination_pairs]
+        return self._reduce_values(reduce_op, values, compression=self._compression)
+
+    def _reduce_values(self, reduce_op, values, compression: Optional[str]):
+        op = "mean" if _as_reduce_op(reduce_op) == reduce_util.ReduceOp.MEAN else "sum"
         if self._size == 1:
             return [v if isinstance(v, tf.IndexedSlices) else tf.identity(v) for v in values]
         sparse = [i for i, v in enumerate(values) if isinstance(v, tf.IndexedSlices) and not self._sparse_as_dense]
         dense = [i for i in range(len(values)) if i not in set(sparse)]
         results = [None] * len(values)
-        reduced = bridge.all_reduce_tensors([tf.convert_to_tensor(values[i]) for i in dense], op, self._timeout)
+        reduced = bridge.all_reduce_tensors(
+            [tf.convert_to_tensor(values[i]) for i in dense], op, self._timeout, self._bucket_bytes, compression
+        )
         for i, tensor in zip(dense, reduced, strict=True):
             results[i] = tensor
         for i in sparse:

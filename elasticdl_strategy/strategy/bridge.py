@@ -1,15 +1,45 @@
-"""From TensorFlow tensors to the ring: fused all-reduce and all-gather.
+"""From TensorFlow tensors to the ring: bucketed all-reduce and all-gather.
 
-Inside a ``tf.function`` the tensors cross into Python through one stateful
-``tf.numpy_function`` per call (~0.3 ms; ``py_function`` costs ~5 ms); in
-eager mode the ring is called directly. Tensors of one dtype are fused into a
-single buffer, in list order, so a step's gradients take one all-reduce per
-dtype rather than one per variable.
+Tensors to all-reduce are fused into *buckets*: grouped by dtype and packed,
+in REVERSE list order (a model's last layers first, whose gradients backprop
+computes first), into buckets of at most ``bucket_bytes``; a larger tensor gets
+a bucket of its own. The plan (:func:`plan_buckets`) depends only on the
+tensors' dtypes and static sizes, so it is the same on every rank, and so is
+the order of the ring all-reduces, one per bucket.
+
+Inside a ``tf.function`` every bucket crosses into Python through its own
+stateful ``tf.numpy_function`` (~0.3 ms a call; ``py_function`` costs ~5 ms)
+whose inputs are that bucket's tensors only. TensorFlow's automatic control
+dependencies chain stateful ops that take no resource in program order, so the
+buckets run in plan order on every rank (``tests/strategy/test_buckets.py``
+checks the chain in the traced graph), and bucket k starts as soon as ITS
+gradients exist, while backprop still computes the earlier layers' ones.
+Eagerly, the ring is called directly, and a call of several buckets is
+pipelined: a helper thread packs bucket k+1 while the calling thread, the only
+one that talks to the communicator, reduces bucket k.
+
+A bucket is packed into a staging buffer kept between calls (keyed by the
+bucket's layout). Every tensor starts on a 64-byte boundary there, so the
+reduced tensors are handed to TensorFlow as views, without a copy; a buffer is
+reused only once no view of it is alive (its reference count says so), else
+another one is made (two are kept per use of a layout in a step).
+
+Measured on the 2-core development VM (``benchmarks/train_step.py``, MLP with
+16 MiB of float32 gradients, N = 2): one 64 MiB bucket trains fastest; 16 and
+4 MiB buckets cost ~10 % (every ring call costs a few ms there, and backprop
+and the ring compete for the same two cores), reductions do start before
+backprop ends, and the pipelining neither helps nor hurts.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import collections
+import concurrent.futures
+import functools
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -18,30 +48,286 @@ from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CommunicationError, ConfigError
 from elasticdl_strategy.strategy.tf_compat import control_flow_util, ops
 
+# The fastest of 4, 16 and 64 MiB for the MLP of benchmarks/train_step.py on 2 cores (one bucket).
+DEFAULT_BUCKET_BYTES = 64 << 20
+COMPRESSIONS = ("fp16", "bf16")
+# Offsets of the tensors in a staging buffer: TensorFlow wraps an output array aligned
+# to EIGEN_MAX_ALIGN_BYTES (64) without copying it; an unaligned one is copied.
+_ALIGN_BYTES = 64
+_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
 
-def allreduce_arrays(arrays: Sequence[np.ndarray], op: str, timeout: Optional[float] = None) -> List[np.ndarray]:
-    """All-reduces ``arrays`` with one ring pass per dtype; returns new arrays in the same order.
+# Measurement switches (benchmarks/train_step.py), read when a function is traced / a call runs.
+# _OVERLAP: one numpy_function per bucket (else one for all the buckets of a call);
+# _PIPELINE: pack the next bucket on a helper thread during the ring of the current one.
+_OVERLAP = True
+_PIPELINE = True
+
+
+# ---- the bucket plan (pure Python) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors fused into one all-reduce: indices into the caller's list, in packing order."""
+
+    dtype: np.dtype
+    members: Tuple[int, ...]
+
+
+def _alignment(dtype: np.dtype) -> int:
+    """Elements per 64 bytes (1 for an item size that does not divide 64)."""
+    itemsize = max(1, dtype.itemsize)
+    return _ALIGN_BYTES // itemsize if _ALIGN_BYTES % itemsize == 0 else 1
+
+
+def _round_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
+def bucket_layout(sizes: Sequence[int], dtype) -> Tuple[List[int], int]:
+    """(element offset of each tensor, total elements) of a staging buffer: every tensor
+    starts on a 64-byte boundary; the padding between them stays zero."""
+    align = _alignment(np.dtype(dtype))
+    offsets, end = [], 0
+    for size in sizes:
+        start = _round_up(end, align)
+        offsets.append(start)
+        end = start + int(size)
+    return offsets, end
+
+
+def plan_buckets(
+    sizes: Sequence[Optional[int]], dtypes: Sequence, bucket_bytes: int, reverse: bool = True
+) -> List[Bucket]:
+    """Groups tensors into buckets; the same inputs give the same plan on every rank.
+
+    Args:
+        sizes: number of elements of each tensor; ``None`` for a size not known
+            when a function is traced (such a tensor gets a bucket of its own).
+        dtypes: dtype of each tensor; a bucket holds one dtype.
+        bucket_bytes: most bytes of a bucket, the 64-byte alignment of every
+            tensor in it included; a larger tensor is a bucket on its own.
+        reverse: pack from the last tensor to the first (gradients of a
+            model's last layers, computed first by backprop, go first).
+
+    Returns:
+        the buckets in the order to reduce them: by the position (in packing
+        order) of their last tensor, i.e. by when they become complete.
+        Inside a bucket, members are in packing order.
+    """
+    if len(sizes) != len(dtypes):
+        raise ValueError(f"{len(sizes)} sizes but {len(dtypes)} dtypes")
+    order = range(len(sizes) - 1, -1, -1) if reverse else range(len(sizes))
+    done: List[Tuple[int, Bucket]] = []  # (packing position of its last member, bucket)
+    open_buckets: Dict[np.dtype, Tuple[List[int], int, int]] = {}  # dtype -> (members, padded bytes, last position)
+    for position, index in enumerate(order):
+        dtype = np.dtype(dtypes[index])
+        size = sizes[index]
+        nbytes = None if size is None else _round_up(int(size), _alignment(dtype)) * dtype.itemsize
+        if nbytes is None or nbytes > bucket_bytes:
+            done.append((position, Bucket(dtype, (index,))))
+            continue
+        members, used, _ = open_buckets.get(dtype, ([], 0, -1))
+        if members and used + nbytes > bucket_bytes:
+            done.append((open_buckets[dtype][2], Bucket(dtype, tuple(members))))
+            members, used = [], 0
+        members.append(index)
+        open_buckets[dtype] = (members, used + nbytes, position)
+    for dtype, (members, _, last) in open_buckets.items():
+        done.append((last, Bucket(dtype, tuple(members))))
+    done.sort(key=lambda item: item[0])
+    return [bucket for _, bucket in done]
+
+
+# ---- staging buffers ------------------------------------------------------------------------
+
+
+class _StagingPool:
+    """Staging buffers kept between calls, keyed by bucket layout, for the ``max_layouts``
+    layouts used last.
+
+    :meth:`acquire` returns a view of a buffer that nothing else views: the
+    reduced tensors of a bucket are views of its buffer, and TensorFlow may hold
+    them (zero-copy) past the call; while it does, the buffer is not reused.
+    The transport also keeps a view of the last message it sent until it sends
+    the next one. Hence two buffers per use of a layout in a step are kept:
+    one may still be held while the other is filled.
+    """
+
+    def __init__(self, max_layouts: int = 256):
+        self._max_layouts = max_layouts
+        self._owners: "collections.OrderedDict[tuple, List[np.ndarray]]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.allocations = 0
+
+    @staticmethod
+    def _idle(owners: List[np.ndarray], i: int) -> bool:
+        # References when nothing views it: the list's and getrefcount's argument.
+        return sys.getrefcount(owners[i]) <= 2
+
+    def acquire(self, key: tuple, dtype: np.dtype, length: int, uses: int = 1) -> np.ndarray:
+        """A 64-byte aligned array of ``length`` elements of ``dtype`` (zero where no tensor lies),
+        for a layout that ``uses`` buckets of a step share."""
+        with self._lock:
+            owners = self._owners.get(key)
+            if owners is None:
+                owners = self._owners[key] = []
+                while len(self._owners) > self._max_layouts:
+                    self._owners.popitem(last=False)
+            else:
+                self._owners.move_to_end(key)
+            for i in range(len(owners)):
+                if self._idle(owners, i):
+                    return self._view(owners[i], dtype, length)
+            owner = np.zeros(length * dtype.itemsize + _ALIGN_BYTES, np.uint8)
+            self.allocations += 1
+            if len(owners) < 2 * uses:
+                owners.append(owner)
+            return self._view(owner, dtype, length)
+
+    @staticmethod
+    def _view(owner: np.ndarray, dtype: np.dtype, length: int) -> np.ndarray:
+        start = -owner.ctypes.data % _ALIGN_BYTES
+        return owner[start : start + length * dtype.itemsize].view(dtype)
+
+
+_pool = _StagingPool()
+
+
+def _layout_key(dtype: np.dtype, sizes: Sequence[Optional[int]]) -> tuple:
+    return (np.dtype(dtype).str, tuple(sizes))
+
+
+def _layout_uses(keys: Sequence[tuple]) -> Dict[tuple, int]:
+    return dict(collections.Counter(keys))
+
+
+_counters = {"reductions": 0, "buckets": 0}
+_packer: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_packer_lock = threading.Lock()
+
+
+def counters() -> Dict[str, int]:
+    """Since the process started: ``reductions`` (calls of the ring all-reduce path),
+    ``buckets`` (ring all-reduces of a bucket), ``staging_allocations`` (staging buffers made)."""
+    return {**_counters, "staging_allocations": _pool.allocations}
+
+
+def _pack_executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _packer
+    with _packer_lock:
+        if _packer is None:
+            _packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticdl-bucket-pack")
+        return _packer
+
+
+# ---- reducing buckets -----------------------------------------------------------------------
+
+
+class _Staged:
+    """One bucket of one call: its staging buffer and where each member lies in it."""
+
+    __slots__ = ("bucket", "dtype", "flat", "offsets", "key", "length")
+
+    def __init__(self, arrays: Sequence[np.ndarray], bucket: Bucket):
+        dtype = arrays[bucket.members[0]].dtype
+        sizes = [arrays[i].size for i in bucket.members]
+        self.offsets, self.length = bucket_layout(sizes, dtype)
+        self.bucket = bucket
+        self.dtype = dtype
+        self.key = _layout_key(dtype, sizes)
+        self.flat = None
+
+    def acquire(self, uses: Dict[tuple, int]) -> None:
+        self.flat = _pool.acquire(self.key, self.dtype, self.length, uses.get(self.key, 1))
+
+    def pack(self, arrays: Sequence[np.ndarray]) -> None:
+        for i, offset in zip(self.bucket.members, self.offsets, strict=True):
+            array = arrays[i]
+            self.flat[offset : offset + array.size] = array.reshape(-1)
+
+    def reduce(self, communicator, op: str, timeout: Optional[float], compression: Optional[str]) -> None:
+        flat = self.flat
+        integer_mean = op == "mean" and flat.dtype.kind in "iu"
+        kwargs = {}
+        if compression is not None and flat.dtype in _COMPRESSIBLE:
+            kwargs["compression"] = compression
+        communicator.allreduce(flat, op="sum" if integer_mean else op, out=flat, timeout=timeout, **kwargs)
+        if integer_mean:
+            flat //= communicator.size
+        _counters["buckets"] += 1
+
+    def unpack(self, arrays: Sequence[np.ndarray], results: List[np.ndarray]) -> None:
+        for i, offset in zip(self.bucket.members, self.offsets, strict=True):
+            array = arrays[i]
+            results[i] = self.flat[offset : offset + array.size].reshape(array.shape)
+        # From here only the results hold the buffer (the helper thread may still hold this object).
+        self.flat = None
+
+
+def reduce_buckets(
+    arrays: Sequence[np.ndarray],
+    buckets: Sequence[Bucket],
+    op: str,
+    timeout: Optional[float] = None,
+    compression: Optional[str] = None,
+    uses: Optional[Dict[tuple, int]] = None,
+) -> List[np.ndarray]:
+    """All-reduces ``arrays`` bucket by bucket, in the order of ``buckets``; returns the
+    results (views of staging buffers) in the order of ``arrays``.
+
+    ``uses``: how many buckets of a step share each layout (default: counted in ``buckets``).
+    """
+    arrays = [np.asarray(a) for a in arrays]
+    results: List[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
+    _counters["reductions"] += 1
+    if not buckets:
+        return results
+    communicator = collective.communicator()
+    staged = [_Staged(arrays, bucket) for bucket in buckets]
+    if uses is None:
+        uses = _layout_uses([bucket.key for bucket in staged])
+    for bucket in staged:
+        bucket.acquire(uses)
+    if len(staged) == 1 or not _PIPELINE:
+        for bucket in staged:
+            bucket.pack(arrays)
+            bucket.reduce(communicator, op, timeout, compression)
+            bucket.unpack(arrays, results)
+        return results
+    # Pipelined: the helper thread packs bucket k+1 while this thread reduces bucket k;
+    # only this thread calls the communicator, in plan order.
+    executor = _pack_executor()
+    staged[0].pack(arrays)
+    for k, bucket in enumerate(staged):
+        packing = executor.submit(staged[k + 1].pack, arrays) if k + 1 < len(staged) else None
+        try:
+            bucket.reduce(communicator, op, timeout, compression)
+        finally:
+            if packing is not None:
+                concurrent.futures.wait([packing])  # never leave the helper writing after an error
+        if packing is not None:
+            packing.result()
+        bucket.unpack(arrays, results)
+    return results
+
+
+def allreduce_arrays(
+    arrays: Sequence[np.ndarray],
+    op: str,
+    timeout: Optional[float] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    compression: Optional[str] = None,
+) -> List[np.ndarray]:
+    """All-reduces ``arrays`` in buckets of at most ``bucket_bytes``; returns the results in the same order.
 
     ``op`` "mean" of integer arrays is the sum floor-divided by the number of
     workers, as TensorFlow's strategies do (Keras asks for it on label batches).
+    ``compression`` ("fp16", "bf16") applies to float32 and float64 buckets only.
     """
-    groups: Dict[np.dtype, List[int]] = {}
-    for i, array in enumerate(arrays):
-        groups.setdefault(array.dtype, []).append(i)
-    results: List[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
-    communicator = collective.communicator()
-    for members in groups.values():
-        fused = np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in members])
-        integer_mean = op == "mean" and fused.dtype.kind in "iu"
-        communicator.allreduce(fused, op="sum" if integer_mean else op, out=fused, timeout=timeout)
-        if integer_mean:
-            fused //= communicator.size
-        offset = 0
-        for i in members:
-            size = arrays[i].size
-            results[i] = fused[offset : offset + size].reshape(arrays[i].shape)
-            offset += size
-    return results
+    arrays = [np.asarray(a) for a in arrays]
+    buckets = plan_buckets([a.size for a in arrays], [a.dtype for a in arrays], bucket_bytes)
+    return reduce_buckets(arrays, buckets, op, timeout, compression)
 
 
 def _briefly(function):
@@ -66,26 +352,58 @@ def _check_not_xla() -> None:
         )
 
 
-def all_reduce_tensors(tensors: Sequence[tf.Tensor], op: str, timeout: Optional[float] = None) -> List[tf.Tensor]:
-    """All-reduces ``tensors`` (``op`` "sum" or "mean") across workers; works eagerly and in graphs."""
+def _static_size(tensor: tf.Tensor) -> Optional[int]:
+    return tensor.shape.num_elements() if tensor.shape.is_fully_defined() else None
+
+
+def all_reduce_tensors(
+    tensors: Sequence[tf.Tensor],
+    op: str,
+    timeout: Optional[float] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    compression: Optional[str] = None,
+) -> List[tf.Tensor]:
+    """All-reduces ``tensors`` (``op`` "sum" or "mean") across workers; works eagerly and in graphs.
+
+    In a graph, each bucket is its own stateful ``numpy_function`` (see the module docstring).
+    """
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(a) for a in allreduce_arrays([t.numpy() for t in tensors], op, timeout)]
+        arrays = allreduce_arrays([t.numpy() for t in tensors], op, timeout, bucket_bytes, compression)
+        return [tf.convert_to_tensor(a) for a in arrays]
     _check_not_xla()
-    outputs = tf.numpy_function(
-        _briefly(lambda *arrays: allreduce_arrays(arrays, op, timeout)),
-        tensors,
-        [t.dtype for t in tensors],
-        stateful=True,
-        name="elasticdl_allreduce",
-    )
-    if not isinstance(outputs, (list, tuple)):
-        outputs = [outputs]
-    for output, tensor in zip(outputs, tensors, strict=True):
-        output.set_shape(tensor.shape)
-    return list(outputs)
+    sizes = [_static_size(t) for t in tensors]
+    buckets = plan_buckets(sizes, [t.dtype.as_numpy_dtype for t in tensors], bucket_bytes)
+    # Buffers to keep per layout: counted over the step's buckets, not one numpy_function's.
+    uses = _layout_uses([_layout_key(b.dtype, [sizes[i] for i in b.members]) for b in buckets])
+    if _OVERLAP:
+        groups = [(b.members, [Bucket(b.dtype, tuple(range(len(b.members))))]) for b in buckets]
+    else:
+        groups = [(tuple(range(len(tensors))), buckets)]
+    results: List[tf.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for members, plan in groups:
+        inputs = [tensors[i] for i in members]
+        outputs = tf.numpy_function(
+            _briefly(
+                functools.partial(_reduce_call, plan=plan, op=op, timeout=timeout, compression=compression, uses=uses)
+            ),
+            inputs,
+            [t.dtype for t in inputs],
+            stateful=True,
+            name="elasticdl_allreduce",
+        )
+        if not isinstance(outputs, (list, tuple)):
+            outputs = [outputs]
+        for i, output in zip(members, outputs, strict=True):
+            output.set_shape(tensors[i].shape)
+            results[i] = output
+    return results
+
+
+def _reduce_call(*arrays, plan, op, timeout, compression, uses):
+    return reduce_buckets(arrays, plan, op, timeout, compression, uses)
 
 
 def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = None) -> tf.Tensor:

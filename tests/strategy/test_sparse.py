@@ -19,12 +19,12 @@ def _reference(tmp_path):
     return read_reports(out, [0])[0]
 
 
-# Per step with 2 workers (2(N-1) = 2 messages per ring collective):
-#   dense:  one fused all-reduce of embedding + dense kernel + bias, one of the loss      -> 2 x 2
-#   sparse: one fused all-reduce of kernel + bias (2), two all-gathers of the embedding's
-#           indices and rows, each a ring step for the row counts and one for the data (2 x 2),
-#           one all-reduce of the loss (2)                                                -> 8
-MESSAGES_PER_STEP = {"dense": 4, "sparse": 8}
+# Per step with 2 workers (these all-reduces are small: a direct exchange, N-1 = 1 message each;
+# an all-gather is a ring step for the row counts and one for the data, 2(N-1) = 2 messages):
+#   dense:  one fused all-reduce of embedding + dense kernel + bias, one of the loss      -> 2 x 1
+#   sparse: one fused all-reduce of kernel + bias (1), two all-gathers of the embedding's
+#           indices and rows (2 x 2), one all-reduce of the loss (1)                      -> 6
+MESSAGES_PER_STEP = {"dense": 2, "sparse": 6}
 
 
 @pytest.mark.parametrize("reduction", ["sparse", "dense"])

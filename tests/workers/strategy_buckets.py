@@ -1,0 +1,137 @@
+"""Worker of tests/strategy/test_buckets.py: float64 training with gradients reduced in several buckets.
+
+Usage: strategy_buckets.py RESULTS_DIR
+
+Trains the same 4-layer MLP three times with ``AllReduceStrategy(bucket_bytes=BUCKET_BYTES)``:
+by ``model.fit``, by a custom loop in ``tf.function`` (one numpy_function per bucket) and by a
+custom loop run eagerly (the pipelined path: several buckets in one call); then, when the
+communicator supports it, by the ``tf.function`` loop with ``compression="bf16"``. Every
+``Communicator.allreduce`` call is recorded (shape, dtype, compression) to show the order of
+the buckets. Run with the launcher (N workers) or alone (the single-process reference);
+writes ``{results_dir}/rank{r}.json``.
+"""
+
+import inspect
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy.collective.communicator import Communicator
+from elasticdl_strategy.strategy import bridge
+from tests.workers.report import write_report
+
+GLOBAL_BATCH = 48
+ROWS = 240
+# Parameters (float64 bytes): dense 8x32 (2048) + 32 (256), dense_1 32x32 (8192) + 32, dense_2 32x16
+# (4096) + 16 (128), dense_3 16x2 (256) + 2 (16, 64 with alignment). At 4096 bytes: four buckets.
+BUCKET_BYTES = 4096
+LAYERS = (32, 32, 16, 2)
+COMPRESSION_SUPPORTED = "compression" in inspect.signature(Communicator.allreduce).parameters
+CALLS = []  # (shape, dtype, compression) of every Communicator.allreduce while recording
+RECORDING = [False]
+
+
+def record_allreduce_calls() -> None:
+    communicator = collective.communicator()
+    original = communicator.allreduce
+
+    def recording(array, *args, **kwargs):
+        if RECORDING[0]:
+            CALLS.append([list(np.shape(array)), np.asarray(array).dtype.name, kwargs.get("compression")])
+        return original(array, *args, **kwargs)
+
+    communicator.allreduce = recording
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((ROWS, 8))
+    y = np.tanh(x @ rng.standard_normal((8, 2)))
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
+def build():
+    layers = [keras.layers.Dense(n, activation="tanh") for n in LAYERS[:-1]] + [keras.layers.Dense(LAYERS[-1])]
+    return keras.Sequential([keras.Input((8,)), *layers])
+
+
+def weights(model):
+    return [w.numpy().ravel().tolist() for w in model.weights]
+
+
+def train_fit(strategy):
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    history = model.fit(data(), epochs=2, verbose=0, shuffle=False)
+    return {"weights": weights(model), "losses": history.history["loss"]}
+
+
+def train_custom(strategy, eager: bool):
+    with strategy.scope():
+        model = build()
+        optimizer = keras.optimizers.Adam(0.01)
+    dataset = strategy.experimental_distribute_dataset(data())
+
+    def step(x, y):
+        def replica_fn(x, y):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean((model(x) - y) ** 2, axis=-1)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return loss
+
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y)), axis=None)
+
+    if not eager:
+        step = tf.function(step)
+    batches = list(dataset)
+    losses = [float(step(*batches[0]))]  # traces the function; the first Adam step builds the slots
+    losses.append(float(step(*batches[1])))
+    before = bridge.counters()
+    del CALLS[:]
+    RECORDING[0] = True
+    losses.append(float(step(*batches[2])))  # one step, recorded
+    RECORDING[0] = False
+    calls = list(CALLS)
+    middle = bridge.counters()
+    for x, y in batches[3:] + batches:
+        losses.append(float(step(x, y)))
+    after = bridge.counters()
+    return {
+        "weights": weights(model),
+        "losses": losses,
+        "calls_per_step": calls,
+        "buckets_per_step": middle["buckets"] - before["buckets"],
+        "staging_allocations_after_warmup": after["staging_allocations"] - before["staging_allocations"],
+        "steps_after_warmup": len(losses) - 2,
+    }
+
+
+def main(results_dir: str) -> None:
+    keras.config.set_floatx("float64")
+    strategy = AllReduceStrategy(bucket_bytes=BUCKET_BYTES)
+    # A different seed on every rank: the variables must start from rank 0's values anyway.
+    keras.utils.set_random_seed(1234 + collective.rank())
+    record_allreduce_calls()
+    report = {
+        "rank": collective.rank(),
+        "size": collective.size(),
+        "compression_supported": COMPRESSION_SUPPORTED,
+        "fit": train_fit(strategy),
+        "graph": train_custom(strategy, eager=False),
+        "eager": train_custom(strategy, eager=True),
+    }
+    if COMPRESSION_SUPPORTED:
+        compressed = AllReduceStrategy(bucket_bytes=BUCKET_BYTES, compression="bf16")
+        report["bf16"] = train_custom(compressed, eager=False)
+    write_report(results_dir, collective.rank(), report)
+    collective.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
