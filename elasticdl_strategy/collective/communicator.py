@@ -116,10 +116,10 @@ class Communicator:
     ) -> np.ndarray:
         """Reduces ``array`` over all ranks; every rank gets the bitwise-identical result.
 
-        Arrays above 16 KiB go around the bandwidth-optimal ring (reduce-scatter,
-        then all-gather: each rank sends 2(N-1)/N of the bytes); smaller ones
-        are sent to every peer at once and reduced in rank order (one message
-        latency instead of 2(N-1)).
+        Large arrays go around the bandwidth-optimal ring (reduce-scatter, then
+        all-gather: each rank sends 2(N-1)/N of the bytes); small ones, while
+        (N-1) x their size stays within 1 MiB, are sent to every peer at once
+        and reduced in rank order (one message latency instead of 2(N-1)).
 
         Args:
             array: any shape, any size (0 included), a supported dtype.
@@ -153,7 +153,7 @@ class Communicator:
         result = self._output_buffer(array, out)
         step = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
         with self._running(step):
-            if self.size > 1 and result.nbytes <= direct.DIRECT_ALLREDUCE_BYTES:
+            if self.size > 1 and direct.is_small(result.nbytes, self.size):
                 direct.allreduce(step, result.reshape(-1), ufunc)
             elif self.size > 1:
                 ring.allreduce(step, result.reshape(-1), ufunc)

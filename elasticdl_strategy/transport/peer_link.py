@@ -37,8 +37,6 @@ ABORT_METHOD = f"/{SERVICE_NAME}/Abort"
 
 # How often idle waits wake up to check for shutdown.
 _IDLE_POLL_S = 1.0
-# Smallest piece of a message put in one shared-memory slot: below it, signalling costs more than the overlap gains.
-_MIN_PIECE = 256 << 10
 # How long the first payload waits for the peer to answer a shared-memory offer.
 _ANSWER_TIMEOUT_S = 10.0
 
@@ -68,13 +66,6 @@ class OutgoingMessage:
         self.payload = payload
         self.chunk_size = chunk_size
         self.future: futures.Future = futures.Future()
-
-
-def _piece_size(nbytes: int, slot_size: int) -> int:
-    """Bytes per shared-memory piece of an ``nbytes`` message: about a quarter of it, so that the
-    receiver reduces one piece while the next is being copied in, within [256 KiB, slot size],
-    a multiple of 64 so that pieces split no element."""
-    return min(slot_size, max(_MIN_PIECE, -(-nbytes // 4 // 64) * 64))
 
 
 class OutboundStream:
@@ -197,7 +188,7 @@ class OutboundStream:
                 return
             header, payload = message.header, message.payload
             if len(payload) and self._await_answer() and self._arena_accepted:
-                piece = _piece_size(len(payload), self._arena.slot_size)
+                piece = self._arena.slot_size
                 for offset in range(0, len(payload), piece):
                     slot = self._free_slot()
                     if slot is None:
@@ -446,12 +437,15 @@ class PeerService:
 
     @staticmethod
     def _read_shared(arena: Optional[ReceiveArena], shared: peer_pb2.SharedChunk, writer, offset: int):
-        """Hands a shared-memory piece to ``writer``, yields the reply that frees its slot; returns the next offset."""
+        """Hands a shared-memory piece to ``writer``, yields the reply that hands slots back when one is due;
+        returns the next offset."""
         if arena is None:
             raise ValueError("a shared-memory chunk on a stream without an arena")
         with arena.view(shared) as payload:
             writer.write(offset, payload, borrowed=True)
-        yield peer_pb2.TransferReply(released_slots=[shared.slot])
+        released = arena.consumed(shared.slot)
+        if released:
+            yield peer_pb2.TransferReply(released_slots=released)
         return offset + shared.nbytes
 
 

@@ -25,7 +25,7 @@ import mmap
 import os
 import re
 import secrets
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -100,6 +100,11 @@ class ReceiveArena:
         self._map = mapping
         self.slots = slots
         self.slot_size = slot_size
+        self._consumed: List[int] = []
+        # Slots are handed back in batches of half the arena: one reply (a gRPC message, on the
+        # receiving thread's path) per batch instead of per slot. It cannot stall the sender: a
+        # sender out of slots has more than half of them filled, and consuming those completes a batch.
+        self._batch = max(1, slots // 2)
 
     @classmethod
     def open(cls, directory: Optional[str], offer: peer_pb2.SharedMemoryOffer) -> Tuple[Optional["ReceiveArena"], str]:
@@ -140,6 +145,14 @@ class ReceiveArena:
             raise ValueError(f"shared chunk (slot {chunk.slot}, {chunk.nbytes} bytes) is outside the arena")
         start = _HEADER_BYTES + chunk.slot * self.slot_size
         return memoryview(self._map)[start : start + chunk.nbytes]
+
+    def consumed(self, slot: int) -> List[int]:
+        """Records that ``slot`` was read; returns the slots to hand back now (empty until a batch is full)."""
+        self._consumed.append(slot)
+        if len(self._consumed) < self._batch:
+            return []
+        batch, self._consumed = self._consumed, []
+        return batch
 
     def close(self) -> None:
         try:

@@ -73,8 +73,8 @@ def main(results_dir: str, with_64mib: bool) -> None:
             check(f"others {dtype} {shape}", others)
 
     # Byte counters: a ring all-reduce of S bytes sends and receives 2(N-1)/N * S per rank
-    # (arrays above 16 KiB); a small one (the direct exchange) (N-1) * S.
-    for elements in (n * 10_000, 10_001, 1001):
+    # (large arrays); a small one (the direct exchange, (N-1) * S <= 1 MiB) (N-1) * S.
+    for elements in (n * 300_000, 300_001, 1001):
         data = np.ones(elements, np.float32)
         # Barriers around the all-reduce so that no message of a neighbour's
         # next collective is counted; each barrier moves N-1 bytes each way.
