@@ -79,7 +79,8 @@ from allreduce import (  # noqa: E402  (the process handling of the all-reduce b
 MIB = 1 << 20
 
 MODELS = ("mlp", "cnn")
-FRAMEWORKS = ("single", "tf", "ours")
+FRAMEWORKS = ("single", "tf", "ours", "ours-grpc")
+OURS = ("ours", "ours-grpc")  # ours-grpc: EDL_SHARED_MEMORY=0, every byte over gRPC
 MODEL_TITLES = {
     "mlp": "MLP 1024-2048-1024-10 on 1024-dim inputs",
     "cnn": "CNN conv3x3(32)-pool-conv3x3(64)-pool-dense(128)-dense(10) on 32x32x3 inputs",
@@ -122,6 +123,7 @@ def setup_title(framework: str, workers: int) -> str:
         "single": "single process",
         "tf": f"TF MultiWorkerMirroredStrategy, N={workers}",
         "ours": f"ours (AllReduceStrategy), N={workers}",
+        "ours-grpc": f"ours, gRPC only (no shared memory), N={workers}",
     }[framework]
 
 
@@ -308,7 +310,7 @@ def measure_ours_allreduce(count: int, steps: int, repeats: int, warmup: int) ->
 
 
 def measure_model(framework: str, name: str, strategy, args: argparse.Namespace) -> dict:
-    if framework == "ours":
+    if framework in OURS:
         return measure_ours(name, strategy, args)
     model, run_step = make_train_step(name, strategy, args.batch)
     features, labels = local_batch(strategy, *synthetic_batch(name, args.batch))
@@ -390,7 +392,7 @@ def worker_main(args: argparse.Namespace) -> int:
             report["errors"][name] = _describe(e)
         if rank == 0:
             _write_json(args.results, report)
-    if args.worker == "ours":
+    if args.worker in OURS:
         from elasticdl_strategy import collective
 
         collective.barrier()  # nobody leaves while others still communicate
@@ -420,8 +422,13 @@ def worker_commands(framework: str, workers: int, worker_args: List[str]) -> Lis
     base = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
     if framework == "single":
         return [(me, base)]
-    if framework == "ours":
+    if framework in OURS:
+        base["EDL_SHARED_MEMORY"] = "0" if framework == "ours-grpc" else "1"
         return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *me], base)]
+    # The same per-worker thread counts as our launcher gives its workers (cores / N), for a fair comparison.
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    base.setdefault("TF_NUM_INTRAOP_THREADS", threads)
+    base.setdefault("OMP_NUM_THREADS", threads)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
     return [
         (me, dict(base, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
@@ -489,7 +496,8 @@ def method_line(args: argparse.Namespace) -> str:
         f"Method: median of {args.repeats} windows of {args.steps} steps after {args.warmup} warmup steps; "
         f"global batch {args.batch} ({args.batch // args.workers} per worker), N = {args.workers} local worker "
         f"processes, float32, one synthetic batch re-fed every step, custom loop in tf.function(jit_compile=False), "
-        f"Keras SGD; machine: {os.cpu_count()} CPU cores (os.cpu_count())."
+        f"Keras SGD; TF MWMS and ours with TF_NUM_INTRAOP_THREADS = OMP_NUM_THREADS = cores / N per worker "
+        f"(what our launcher sets); machine: {os.cpu_count()} CPU cores (os.cpu_count())."
     )
 
 
@@ -510,11 +518,15 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
     if ours is None or ours.error:
         return
     print("Ratios (samples/s of ours / of the other; > 1 means ours is faster):")
-    for framework, title in (("tf", "MultiWorkerMirroredStrategy"), ("single", "single process")):
-        other = by_framework.get(framework)
-        if other is not None:
-            ratio = "n/a" if other.error else f"{other.median_ms() / ours.median_ms():.2f}×"
-            print(f"ours vs {title}: {ratio}")
+    for mine in OURS:
+        me = by_framework.get(mine)
+        if me is None or me.error:
+            continue
+        for framework, title in (("tf", "MultiWorkerMirroredStrategy"), ("single", "single process")):
+            other = by_framework.get(framework)
+            if other is not None:
+                ratio = "n/a" if other.error else f"{other.median_ms() / me.median_ms():.2f}×"
+                print(f"{mine} vs {title}: {ratio}")
     step, comm = ours.median_ms(), ours.median_ms("allreduce_s")
     print(
         f"Breakdown of ours (ms/step): step {step:.2f} = gradient all-reduce {comm:.2f} "
@@ -568,7 +580,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", type=_choice_list(MODELS), default=list(MODELS), help="default mlp,cnn")
     p.add_argument(
-        "--frameworks", type=_choice_list(FRAMEWORKS), default=list(FRAMEWORKS), help="default single,tf,ours"
+        "--frameworks", type=_choice_list(FRAMEWORKS), default=list(FRAMEWORKS), help="default single,tf,ours,ours-grpc"
     )
     p.add_argument("--batch", type=int, default=256, help="global batch size (default 256)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per window (default 30)")

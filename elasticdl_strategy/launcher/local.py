@@ -239,7 +239,16 @@ class LocalLauncher:
         )
         if self.config.timeout_s is not None:
             env["EDL_TIMEOUT"] = str(self.config.timeout_s)
+        # Like torchrun's OMP_NUM_THREADS: N workers each sizing their thread pools to every core
+        # oversubscribe the machine (measured: MLP step 44.5 -> 40 ms at N = 2 on 2 cores).
+        for name, value in self._thread_env().items():
+            env.setdefault(name, value)
         return env
+
+    def _thread_env(self) -> Dict[str, str]:
+        """Per-worker thread counts (cores / training workers), unless the user set them."""
+        threads = str(max(1, (os.cpu_count() or 1) // min(self.config.workers, self.config.max_workers)))
+        return {"TF_NUM_INTRAOP_THREADS": threads, "OMP_NUM_THREADS": threads}
 
     def _forward(self, sig: int, _frame=None) -> None:
         self._stop_signal = sig

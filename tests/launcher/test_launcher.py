@@ -62,6 +62,17 @@ def test_output_is_prefixed_and_success_exits_0(tmp_path):
 
 
 @pytest.mark.slow
+def test_each_worker_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path):
+    share = max(1, os.cpu_count() // 2)
+    job = run_job(2, [sys.executable, worker_script("plain.py"), "hello", str(tmp_path)], timeout=60)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert job.stdout.count(f"threads {share} {share}") == 2
+    chosen = {"TF_NUM_INTRAOP_THREADS": "7", "OMP_NUM_THREADS": "5"}
+    job = run_job(2, [sys.executable, worker_script("plain.py"), "hello", str(tmp_path)], timeout=60, env=chosen)
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert job.stdout.count("threads 7 5") == 2
+
+
 def test_workers_join_through_collective_init(tmp_path):
     job = run_job(3, [sys.executable, worker_script("collective_example.py")], timeout=90)
     assert job.returncode == 0, job.stderr[-2000:]

@@ -10,6 +10,7 @@ mode, out_dir = sys.argv[1], sys.argv[2]
 
 if mode == "hello":
     print(f"hello from {os.environ['EDL_WORKER_ID']}", flush=True)
+    print(f"threads {os.environ.get('TF_NUM_INTRAOP_THREADS')} {os.environ.get('OMP_NUM_THREADS')}", flush=True)
     assert os.environ["EDL_JOB_TOKEN"] and os.environ["EDL_COORDINATOR_ADDR"]
 elif mode == "fail-one":
     if index == 1:
