@@ -624,6 +624,7 @@ def _name_profiles_by_rank(tmp: Path, prefix: str) -> None:
 
 
 _LINE_NUMBER = re.compile(r":\d+\)$")
+_UNTIMED = re.compile(r"(\w+\.)?(refill|prepare) \(")
 _ADDRESS = re.compile(r"^0x[0-9a-fA-F]+ ")
 # Frames near the leaf that mean the thread is blocked in the kernel, not using a core: py-spy --native
 # samples such native waits as active. ``syscall`` as a leaf is gRPC's futex wait.
@@ -655,7 +656,8 @@ def own_time(raw: Path) -> Tuple[collections.Counter, Dict[str, int]]:
     """Samples per leaf function of the on-CPU stacks of a py-spy raw file (lines ``frame;...;leaf COUNT``,
     outermost frame first, the thread first with ``--threads``), and the totals: ``cpu`` (in the counter),
     ``waiting`` (blocked in locks, condition variables, epoll, futexes) and ``outside`` (the main thread
-    outside :func:`measure`, i.e. start-up, imports, rendezvous, exit; any import stack)."""
+    outside :func:`measure`, i.e. start-up, imports, rendezvous, exit; any import stack; the untimed
+    refill of the buffer)."""
     leaves: collections.Counter = collections.Counter()
     totals = {"cpu": 0, "waiting": 0, "outside": 0}
     for line in raw.read_text(errors="replace").splitlines():
@@ -664,7 +666,8 @@ def own_time(raw: Path) -> Tuple[collections.Counter, Dict[str, int]]:
             continue
         count, frames = int(count_text), stack.split(";")
         main_thread = frames[0].startswith("thread (") and frames[0].endswith(": MainThread")
-        if "_find_and_load" in stack or (main_thread and not any(f.startswith("measure (") for f in frames)):
+        untimed = any(_UNTIMED.match(f) for f in frames)  # the buffer's allocation and refills
+        if "_find_and_load" in stack or untimed or (main_thread and not any(f.startswith("measure (") for f in frames)):
             totals["outside"] += count
         elif frames[-1].startswith("syscall ") or any(m in f for f in frames[-4:] for m in _WAIT_MARKERS):
             totals["waiting"] += count
@@ -685,7 +688,7 @@ def print_profile(framework: str, workers: int, raw: Path, cell: Cell) -> None:
     print(
         f"  samples at {PROFILE_RATE_HZ} Hz summed over threads: {totals['cpu']} on CPU; left out: "
         f"{totals['waiting']} blocked (locks, condition variables, epoll, futex), {totals['outside']} of the "
-        f"main thread outside measure() (start-up, imports, exit)"
+        f"main thread outside the timed all-reduces (start-up, imports, buffer refills, exit)"
     )
     print(f"  top {PROFILE_TOP} functions by own time (% of the on-CPU samples):")
     print(f"  {'own %':>6} {'samples':>8}  function")
