@@ -226,7 +226,7 @@ class PointToPoint:
     @property
     def shared_memory_peers(self) -> List[int]:
         """Ranks whose stream from this rank carries payloads through shared memory."""
-        return sorted(dst for dst, stream in self._streams.items() if stream.uses_shared_memory)
+        return sorted(dst for dst, stream in list(self._streams.items()) if stream.uses_shared_memory)
 
     @property
     def shared_bytes_sent(self) -> int:
