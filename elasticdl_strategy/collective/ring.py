@@ -96,35 +96,52 @@ def reduce_scatter(
 
     Afterwards segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.
     """
-    p2p = step.p2p
-    n, rank = p2p.size, p2p.rank
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for s in range(n - 1):
-        send_seg = bounds[(rank + owned - 1 - s) % n]
-        recv_seg = bounds[(rank + owned - 2 - s) % n]
-        request = step.recv_reduce(flat[recv_seg[0] : recv_seg[1]], ufunc, left)
-        step.send(flat[send_seg[0] : send_seg[1]], right)
-        step.wait(request)
+    _run(step, flat, bounds, owned - 1, _post_reduce_scatter(step, flat, bounds, ufunc, owned))
 
 
 def allgather(step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], owned: int) -> None:
     """Ring all-gather in place on the 1-D ``flat``, each rank starting with segment ``(rank + owned) % N``."""
-    p2p = step.p2p
-    n, rank = p2p.size, p2p.rank
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for s in range(n - 1):
-        send_seg = bounds[(rank + owned - s) % n]
-        recv_seg = bounds[(rank + owned - 1 - s) % n]
-        request = step.recv_into(flat[recv_seg[0] : recv_seg[1]], left)
-        step.send(flat[send_seg[0] : send_seg[1]], right)
-        step.wait(request)
+    _run(step, flat, bounds, owned, _post_allgather(step, flat, bounds, owned))
 
 
 def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
-    """Bandwidth-optimal ring all-reduce in place on the 1-D ``flat``."""
+    """Bandwidth-optimal ring all-reduce in place on the 1-D ``flat``.
+
+    Every receive of both phases is posted before the first send, each into its
+    own segment, so a neighbour running ahead has its data reduced or stored as
+    it arrives instead of buffered (a copy, and memory) until asked for. That
+    is safe: a segment's data only reaches this rank after this rank's own use
+    of that segment (its send, or its reduction) is complete.
+    """
     bounds = even_bounds(flat.size, step.p2p.size)
-    reduce_scatter(step, flat, bounds, ufunc, owned=1)
-    allgather(step, flat, bounds, owned=1)
+    reduced = _post_reduce_scatter(step, flat, bounds, ufunc, owned=1)
+    gathered = _post_allgather(step, flat, bounds, owned=1)
+    _run(step, flat, bounds, 0, reduced)
+    _run(step, flat, bounds, 1, gathered)
+
+
+def _post_reduce_scatter(step: CollectiveCall, flat, bounds, ufunc: Callable, owned: int) -> List[Request]:
+    """Receives of reduce-scatter step s (from the left, reduced into segment rank + owned - 2 - s)."""
+    n, rank, left = step.p2p.size, step.p2p.rank, (step.p2p.rank - 1) % step.p2p.size
+    segments = [bounds[(rank + owned - 2 - s) % n] for s in range(n - 1)]
+    return [step.recv_reduce(flat[a:b], ufunc, left) for a, b in segments]
+
+
+def _post_allgather(step: CollectiveCall, flat, bounds, owned: int) -> List[Request]:
+    """Receives of all-gather step s (from the left, into segment rank + owned - 1 - s)."""
+    n, rank, left = step.p2p.size, step.p2p.rank, (step.p2p.rank - 1) % step.p2p.size
+    segments = [bounds[(rank + owned - 1 - s) % n] for s in range(n - 1)]
+    return [step.recv_into(flat[a:b], left) for a, b in segments]
+
+
+def _run(step: CollectiveCall, flat, bounds, first: int, requests: List[Request]) -> None:
+    """Sends segment rank + first - s to the right at step s, then waits for receive s
+    (whose segment, rank + first - 1 - s, is the one sent at step s + 1)."""
+    n, rank, right = step.p2p.size, step.p2p.rank, (step.p2p.rank + 1) % step.p2p.size
+    for s, request in enumerate(requests):
+        a, b = bounds[(rank + first - s) % n]
+        step.send(flat[a:b], right)
+        step.wait(request)
 
 
 def reduce_scatter_compressed(
