@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/train_step.py [--models mlp,cnn] [--frameworks single,tf,ours]
                                     [--batch 256] [--steps 30] [--repeats 3] [--warmup 5] [--json out.json]
-                                    [--bucket-mib 64] [--overlap on] [--pipeline on]
+                                    [--bucket-mib 64] [--overlap on]
 
 Setups (global batch B in every one):
     single  one process, no strategy, batch B
@@ -36,10 +36,9 @@ The bytes this rank sent per training step (``collective.stats()``) confirm the 
 bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function`` with an
 identity function, on a tensor of the parameter count and on a 1-element one.
 
-Variants of ours: ``--bucket-mib 4,16,64``, ``--overlap on,off`` (off: one numpy_function for
-all the buckets of a step instead of one per bucket, so no reduction starts before backprop
-ends) and ``--pipeline on,off`` (with overlap off: pack bucket k+1 on a helper thread during
-the ring of bucket k) give several variants; they run in the SAME worker processes, each with
+Variants of ours: ``--bucket-mib 4,16,64`` and ``--overlap on,off`` (off: one numpy_function
+for all the buckets of a step instead of one per bucket, so no reduction starts before backprop
+ends) give several variants; they run in the SAME worker processes, each with
 its own model and traced step, and their timed windows are interleaved (window r of every
 variant, then window r+1), so that the shared machine's drift hits them alike. The first
 variant is the "ours" of the main table.
@@ -186,30 +185,24 @@ def bucket_bytes(mib: float) -> int:
 
 @dataclass(frozen=True)
 class Variant:
-    """One configuration of ours: bucket size, one numpy_function per bucket (overlap) or not, pipelining."""
+    """One configuration of ours: bucket size, one numpy_function per bucket (overlap) or not."""
 
     bucket_mib: float
     overlap: bool
-    pipeline: bool
 
     @property
     def title(self) -> str:
         how = "per-bucket numpy_functions (overlap)" if self.overlap else "one numpy_function"
-        if not self.overlap:
-            how += ", pipelined" if self.pipeline else ", not pipelined"
         return f"buckets <= {self.bucket_mib:g} MiB, {how}"
 
 
 def ours_variants(args: argparse.Namespace) -> List[Variant]:
-    """The variants to measure, the first (first of every flag) first; pipelining only matters without overlap
-    (with overlap every numpy_function reduces one bucket)."""
+    """The variants to measure, the first (first of every flag) first."""
     variants: List[Variant] = []
     for mib in args.bucket_mib:
         for overlap in args.overlap:
-            for pipeline in args.pipeline if not overlap else args.pipeline[:1]:
-                variant = Variant(mib, overlap, pipeline if not overlap else True)
-                if variant not in variants:
-                    variants.append(variant)
+            if Variant(mib, overlap) not in variants:
+                variants.append(Variant(mib, overlap))
     return variants
 
 
@@ -331,14 +324,14 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
     strategies = {variants[0].bucket_mib: strategy}
     features, labels = local_batch(strategy, *synthetic_batch(name, args.batch))
     steps, params = [], 0
-    defaults = bridge._OVERLAP, bridge._PIPELINE
+    default_overlap = bridge._OVERLAP
     try:
         for variant in variants:
             if variant.bucket_mib not in strategies:
                 strategies[variant.bucket_mib] = AllReduceStrategy(bucket_bytes=bucket_bytes(variant.bucket_mib))
             model, run_step = make_train_step(name, strategies[variant.bucket_mib], args.batch)
             params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-            bridge._OVERLAP, bridge._PIPELINE = variant.overlap, variant.pipeline  # read when traced / called
+            bridge._OVERLAP = variant.overlap  # read when the step is traced
             for _ in range(args.warmup):
                 run_step(features, labels)
             steps.append(run_step)
@@ -347,15 +340,14 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
         allocations_before = bridge.counters()["staging_allocations"]
         sent_before = collective.stats()["bytes_sent"]
         for _ in range(args.repeats):
-            for i, (variant, run_step) in enumerate(zip(variants, steps, strict=True)):
-                bridge._PIPELINE = variant.pipeline
+            for i, run_step in enumerate(steps):
                 before = bridge.counters()["buckets"]
                 seconds[i] += window_seconds(lambda: run_step(features, labels), args.steps, 1)  # noqa: B023
                 buckets[i] += bridge.counters()["buckets"] - before
         sent = collective.stats()["bytes_sent"] - sent_before
         allocations = bridge.counters()["staging_allocations"] - allocations_before
     finally:
-        bridge._OVERLAP, bridge._PIPELINE = defaults
+        bridge._OVERLAP = default_overlap
     timed_steps = args.steps * args.repeats
     result = {
         "params": params,
@@ -367,7 +359,6 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
             {
                 "bucket_mib": v.bucket_mib,
                 "overlap": v.overlap,
-                "pipeline": v.pipeline,
                 "step_s": seconds[i],
                 "buckets_per_step": buckets[i] / timed_steps,
             }
@@ -448,7 +439,6 @@ def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
             "--warmup": args.warmup,
             "--bucket-mib": ",".join(f"{m:g}" for m in args.bucket_mib),
             "--overlap": ",".join("on" if o else "off" for o in args.overlap),
-            "--pipeline": ",".join("on" if o else "off" for o in args.pipeline),
             "--results": results,
         }
         worker_args = [str(item) for option in options.items() for item in option]
@@ -544,7 +534,7 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
         print("Variants of ours (same processes, interleaved windows; ratio = samples/s over the first's):")
         first = statistics.median(variants[0]["step_s"])
         for v in variants:
-            title = Variant(v["bucket_mib"], v["overlap"], v["pipeline"]).title
+            title = Variant(v["bucket_mib"], v["overlap"]).title
             median = statistics.median(v["step_s"])
             print(
                 f"  {title:<58} | {args.batch / median:7.1f} samples/s | {median * 1e3:7.2f} ms/step | "
@@ -600,12 +590,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=_switch_list,
         default=[True],
         help="ours: on = one numpy_function per bucket, off = one for all; on,off measures both (default on)",
-    )
-    p.add_argument(
-        "--pipeline",
-        type=_switch_list,
-        default=[True],
-        help="ours, with --overlap off: pack the next bucket during the ring of this one (default on)",
     )
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)  # internal: worker mode
     p.add_argument("--results", type=Path, help=argparse.SUPPRESS)  # internal: where rank 0 writes

@@ -14,9 +14,7 @@ dependencies chain stateful ops that take no resource in program order, so the
 buckets run in plan order on every rank (``tests/strategy/test_buckets.py``
 checks the chain in the traced graph), and bucket k starts as soon as ITS
 gradients exist, while backprop still computes the earlier layers' ones.
-Eagerly, the ring is called directly, and a call of several buckets is
-pipelined: a helper thread packs bucket k+1 while the calling thread, the only
-one that talks to the communicator, reduces bucket k.
+Eagerly, the ring is called directly, bucket after bucket.
 
 A bucket is packed into a staging buffer kept between calls (keyed by the
 bucket's layout). Every tensor starts on a 64-byte boundary there, so the
@@ -27,14 +25,14 @@ another one is made (two are kept per use of a layout in a step).
 Measured on the 2-core development VM (``benchmarks/train_step.py``, MLP with
 16 MiB of float32 gradients, N = 2): one 64 MiB bucket trains fastest; 16 and
 4 MiB buckets cost ~10 % (every ring call costs a few ms there, and backprop
-and the ring compete for the same two cores), reductions do start before
-backprop ends, and the pipelining neither helps nor hurts.
+and the ring compete for the same two cores), and reductions do start before
+backprop ends. Packing bucket k+1 on a helper thread while bucket k is on the
+ring measured neither better nor worse, so buckets are simply reduced in turn.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import sys
 import threading
@@ -56,11 +54,9 @@ COMPRESSIONS = ("fp16", "bf16")
 _ALIGN_BYTES = 64
 _COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
 
-# Measurement switches (benchmarks/train_step.py), read when a function is traced / a call runs.
-# _OVERLAP: one numpy_function per bucket (else one for all the buckets of a call);
-# _PIPELINE: pack the next bucket on a helper thread during the ring of the current one.
+# Measurement switch (benchmarks/train_step.py), read when a function is traced:
+# one numpy_function per bucket (else one for all the buckets of a call).
 _OVERLAP = True
-_PIPELINE = True
 
 
 # ---- the bucket plan (pure Python) ----------------------------------------------------------
@@ -203,22 +199,12 @@ def _layout_uses(keys: Sequence[tuple]) -> Dict[tuple, int]:
 
 
 _counters = {"reductions": 0, "buckets": 0}
-_packer: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_packer_lock = threading.Lock()
 
 
 def counters() -> Dict[str, int]:
     """Since the process started: ``reductions`` (calls of the ring all-reduce path),
     ``buckets`` (ring all-reduces of a bucket), ``staging_allocations`` (staging buffers made)."""
     return {**_counters, "staging_allocations": _pool.allocations}
-
-
-def _pack_executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _packer
-    with _packer_lock:
-        if _packer is None:
-            _packer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elasticdl-bucket-pack")
-        return _packer
 
 
 # ---- reducing buckets -----------------------------------------------------------------------
@@ -261,8 +247,7 @@ class _Staged:
         for i, offset in zip(self.bucket.members, self.offsets, strict=True):
             array = arrays[i]
             results[i] = self.flat[offset : offset + array.size].reshape(array.shape)
-        # From here only the results hold the buffer (the helper thread may still hold this object).
-        self.flat = None
+        self.flat = None  # from here only the results hold the buffer
 
 
 def reduce_buckets(
@@ -289,25 +274,9 @@ def reduce_buckets(
         uses = _layout_uses([bucket.key for bucket in staged])
     for bucket in staged:
         bucket.acquire(uses)
-    if len(staged) == 1 or not _PIPELINE:
-        for bucket in staged:
-            bucket.pack(arrays)
-            bucket.reduce(communicator, op, timeout, compression)
-            bucket.unpack(arrays, results)
-        return results
-    # Pipelined: the helper thread packs bucket k+1 while this thread reduces bucket k;
-    # only this thread calls the communicator, in plan order.
-    executor = _pack_executor()
-    staged[0].pack(arrays)
-    for k, bucket in enumerate(staged):
-        packing = executor.submit(staged[k + 1].pack, arrays) if k + 1 < len(staged) else None
-        try:
-            bucket.reduce(communicator, op, timeout, compression)
-        finally:
-            if packing is not None:
-                concurrent.futures.wait([packing])  # never leave the helper writing after an error
-        if packing is not None:
-            packing.result()
+    for bucket in staged:
+        bucket.pack(arrays)
+        bucket.reduce(communicator, op, timeout, compression)
         bucket.unpack(arrays, results)
     return results
 

@@ -1,4 +1,4 @@
-"""Gradient buckets: the planner, the pipelined reduction, the graph's order, and training at N = 2.
+"""Gradient buckets: the planner, the bucket reduction, the graph's order, and training at N = 2.
 
 The planner and the bucket reduction are tested in-process (the reduction against a fake
 communicator of 2 ranks); the order in which a ``tf.function`` runs the buckets is checked in
@@ -111,9 +111,7 @@ def fake(monkeypatch):
     return communicator
 
 
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_buckets_reduce_every_tensor_in_plan_order_on_the_calling_thread(fake, monkeypatch, pipeline):
-    monkeypatch.setattr(bridge, "_PIPELINE", pipeline)
+def test_buckets_reduce_every_tensor_in_plan_order_on_the_calling_thread(fake):
     rng = np.random.default_rng(1)
     arrays = [rng.standard_normal(shape).astype(np.float32) for shape in [(30, 20), (20,), (0,), (), (50, 3), (7,)]]
     arrays.insert(2, np.arange(12, dtype=np.int32).reshape(3, 4))

@@ -4,7 +4,7 @@ Usage: strategy_buckets.py RESULTS_DIR
 
 Trains the same 4-layer MLP three times with ``AllReduceStrategy(bucket_bytes=BUCKET_BYTES)``:
 by ``model.fit``, by a custom loop in ``tf.function`` (one numpy_function per bucket) and by a
-custom loop run eagerly (the pipelined path: several buckets in one call); then, when the
+custom loop run eagerly (several buckets in one call); then, when the
 communicator supports it, by the ``tf.function`` loop with ``compression="bf16"``. Every
 ``Communicator.allreduce`` call is recorded (shape, dtype, compression) to show the order of
 the buckets. Run with the launcher (N workers) or alone (the single-process reference);
