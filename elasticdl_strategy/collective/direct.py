@@ -38,7 +38,8 @@ def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     for r in peers:
         step.wait(requests[r])
     step.finish_sends()  # flat is overwritten below
-    contributions[p2p.rank] = flat.copy()
-    np.copyto(flat, contributions[0])
+    if p2p.rank != 0:  # rank 0's own array already is the start of the sum
+        contributions[p2p.rank] = flat.copy()
+        np.copyto(flat, contributions[0])
     for r in range(1, p2p.size):
         ufunc(flat, contributions[r], out=flat)
