@@ -430,8 +430,10 @@ class PeerService:
                         writer.write(offset, payload)
                         offset += len(payload)
                     else:
-                        shared = frames.decode_control(chunk).shared_chunk
-                        offset = yield from PeerService._read_shared(arena, shared, writer, offset)
+                        control = frames.decode_control(chunk)
+                        if control.WhichOneof("kind") != "shared_chunk":
+                            raise ValueError(f"a {control.WhichOneof('kind')} frame inside a message's payload")
+                        offset = yield from PeerService._read_shared(arena, control.shared_chunk, writer, offset)
             writer.finish()
         raise _IncompleteMessage()  # ended without a goodbye: the sender died
 
