@@ -518,7 +518,11 @@ class Communicator:
 
 
 class _Running:
-    """Context for one collective: turns a timeout into an abort of all ranks."""
+    """Context for one collective: turns a timeout, or a peer that left or failed, into an abort of all ranks.
+
+    A peer that closed its communicator on purpose does not abort the others by itself (it
+    may simply have finished); only a collective that needed it does, here.
+    """
 
     def __init__(self, communicator: Communicator, step: ring.CollectiveCall):
         self._communicator = communicator
@@ -530,4 +534,12 @@ class _Running:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and issubclass(exc_type, CollectiveTimeoutError):
             raise self._communicator._on_timeout(self._step, exc) from None
+        if exc_type is not None and issubclass(exc_type, PeerFailureError):
+            message, peer, rank = str(exc), exc.peer_rank, exc.rank
+            self._communicator._abort(
+                lambda: PeerFailureError(message, peer_rank=peer, rank=rank),
+                kind="peer_failure",
+                reason=message,
+                ranks=[peer] if peer is not None else [],
+            )
         return False

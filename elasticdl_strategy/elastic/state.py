@@ -161,7 +161,11 @@ class State:
         snapshot = self._snapshot()
         self._keep(snapshot)
         version = worker.membership.version
-        worker.leaving = worker.leaving or self.leave_requested
+        # Read once: a SIGTERM that arrives while this commit waits for the others must not make
+        # this worker leave at a commit the coordinator recorded without its leaving (the others
+        # would carry on with it in the membership); it leaves at the next commit instead.
+        leaving = self.leave_requested
+        worker.leaving = worker.leaving or leaving
         if worker.client is None:  # a single worker: nobody to agree with
             response = coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
         else:
@@ -169,7 +173,7 @@ class State:
                 version,
                 self.commit_id,
                 snapshot.position.to_proto(),
-                leaving=self.leave_requested,
+                leaving=leaving,
                 timeout=worker.communicator.timeout_s,
                 on_unavailable=worker.reregister,
             )
@@ -185,7 +189,7 @@ class State:
         if self._checkpoints is not None and worker.communicator.rank == 0:
             if self.commit_id % self._checkpoint_every == 0:
                 self._checkpoints.save(self, snapshot)
-        if self.leave_requested:
+        if leaving:
             raise WorkerLeft()
         if response.membership_version != version:
             raise MembershipChangedInterrupt(

@@ -3,8 +3,11 @@
 import json
 import sys
 
+import numpy as np
 import pytest
 
+from elasticdl_strategy.errors import PeerFailureError
+from tests.cluster import ThreadCluster
 from tests.launch import read_reports, run_job, worker_script
 
 pytestmark = pytest.mark.slow
@@ -59,3 +62,20 @@ def test_shape_mismatch_between_processes_raises_on_every_rank(tmp_path):
         assert outcome["error"] == "CollectiveMismatchError", outcome
         assert "shape" in outcome["message"]
         assert n - 1 in outcome["ranks"] or f"rank {n - 1}" in outcome["message"]
+
+
+def test_a_collective_that_needs_a_peer_that_left_aborts_the_communicator():
+    # A peer closing its communicator on purpose aborts nothing by itself (it may have finished);
+    # a collective that needs it fails and leaves the communicator aborted, as after any failure,
+    # so that the elastic layer can tell a failure from an error in the program.
+    with ThreadCluster(2) as cluster:
+        survivor, leaver = cluster.communicators
+        cluster.run(lambda c: c.allreduce(np.ones(4, np.float32)))  # opens the streams both ways
+        leaver.close(timeout=2.0)
+        assert survivor.failure is None
+        with pytest.raises(PeerFailureError) as raised:
+            survivor.allreduce(np.ones(4, np.float32), timeout=10)
+        assert raised.value.peer_rank == 1
+        assert isinstance(survivor.failure, PeerFailureError) and "rank 1" in str(survivor.failure)
+        with pytest.raises(PeerFailureError):
+            survivor.barrier(timeout=10)

@@ -9,7 +9,9 @@ import tensorflow as tf
 from elasticdl_strategy import collective, elastic
 from elasticdl_strategy.data import ElasticRecords, Position
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
+from elasticdl_strategy.elastic.state import WorkerLeft
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.protos import coordinator_pb2
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +78,27 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     other = elastic.State(variables=[tf.Variable([1.0, 2.0, 3.0])], checkpoint_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="belongs to another model"):
         other.load_checkpoint()
+
+
+def test_a_sigterm_while_a_commit_waits_makes_the_worker_leave_at_the_next_commit():
+    # The coordinator records a commit as the worker sent it: one sent as staying must not end
+    # in the worker leaving (the others would carry on with it in their membership).
+    state = elastic.State(step=0)
+    worker = collective.current_worker()
+    sent = []
+
+    class Client:
+        def commit(self, version, commit_id, position, leaving, timeout, on_unavailable):
+            sent.append(leaving)
+            state.leave_requested = True  # SIGTERM arrives while the barrier waits for the others
+            return coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
+
+    assert worker.client is None  # a single worker: give it a coordinator for this test only
+    worker._client = Client()
+    try:
+        state.commit()  # recorded with this worker staying: it stays
+        with pytest.raises(WorkerLeft):
+            state.commit()  # sent as leaving: it leaves here
+    finally:
+        worker._client = None
+    assert sent == [False, True]

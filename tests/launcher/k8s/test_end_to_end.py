@@ -105,7 +105,8 @@ def test_a_deleted_worker_pod_is_relaunched_and_no_record_is_lost(cluster, tmp_p
     assert "worker-1: starting" in client.logs("job", "default", worker=1)  # a worker's log, while it runs
     client.core.delete_namespaced_pod("job-worker-1", "default")
     status = wait_for_phase(client, config, ("Succeeded", "Failed"))
-    assert status["phase"] == "Succeeded", (status, logs_of_all_pods(cluster))
+    # A string, not a tuple: pytest shortens the repr of a tuple and would cut the logs.
+    assert status["phase"] == "Succeeded", f"{status}\n{logs_of_all_pods(cluster)}"
     assert "job-worker-3" in status["workers"] and status["restarts"] == 1
     found = reports(tmp_path)
     assert "worker-3" in found and "worker-1" not in found
