@@ -9,6 +9,7 @@ EDL_WORKER_ID              stable id of this worker (unique in the job); when un
                            derived from ``TF_CONFIG`` (Kubeflow TFJob): "worker-3"
 EDL_BIND_HOST              interface the peer server listens on (default 127.0.0.1)
 EDL_PEER_PORT              port of the peer server (default 0: any free port)
+EDL_DATA_PORT              port for direct data sockets (default 0: any free port)
 EDL_ADVERTISE_HOST         host peers dial (default: EDL_BIND_HOST, or the pod IP)
 EDL_RENDEZVOUS_TIMEOUT     seconds to wait for a membership (default 120)
 EDL_TIMEOUT                default deadline of collectives and receives (default 60)
@@ -21,6 +22,8 @@ EDL_SHARED_MEMORY          1 (default): payloads to peers that can map this work
 EDL_SHM_DIR                directory of the shared-memory arenas (default /dev/shm)
 EDL_SHM_SLOT_SIZE          bytes per arena slot (default 4 MiB)
 EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 8)
+EDL_DATA_SOCKET            1 (default): streams not in shared memory move their
+                           frames to a direct TCP data socket; 0: gRPC only
 EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)
 =========================  ===================================================
 """
@@ -42,6 +45,7 @@ BIND_HOST = "EDL_BIND_HOST"
 ADVERTISE_HOST = "EDL_ADVERTISE_HOST"
 RENDEZVOUS_TIMEOUT = "EDL_RENDEZVOUS_TIMEOUT"
 PEER_PORT = "EDL_PEER_PORT"
+DATA_PORT = "EDL_DATA_PORT"
 TF_CONFIG = "TF_CONFIG"
 
 
@@ -65,6 +69,16 @@ def worker_id_from_tf_config(text: str) -> str:
     return f"{kind}-{index}"
 
 
+def _port(env: Mapping[str, str], var: str) -> int:
+    try:
+        port = int(env.get(var) or 0)
+    except ValueError:
+        raise ConfigError(f"{var}={env[var]!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{var}={port} is not a port number")
+    return port
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerEnvironment:
     """Everything a worker needs to join its job, parsed and validated."""
@@ -75,6 +89,7 @@ class WorkerEnvironment:
     bind_host: str = "127.0.0.1"
     advertise_host: Optional[str] = None
     peer_port: int = 0
+    data_port: int = 0
     rendezvous_timeout_s: float = 120.0
     transport: TransportOptions = TransportOptions()
 
@@ -93,12 +108,7 @@ class WorkerEnvironment:
             worker_id = worker_id_from_tf_config(env[TF_CONFIG])
         if not worker_id:
             raise ConfigError(f"{COORDINATOR_ADDR} is set but {WORKER_ID} (or {TF_CONFIG}) is not")
-        try:
-            peer_port = int(env.get(PEER_PORT) or 0)
-        except ValueError:
-            raise ConfigError(f"{PEER_PORT}={env[PEER_PORT]!r} is not a port number") from None
-        if not 0 <= peer_port <= 65535:
-            raise ConfigError(f"{PEER_PORT}={peer_port} is not a port number")
+        peer_port, data_port = _port(env, PEER_PORT), _port(env, DATA_PORT)
         try:
             rendezvous_timeout = float(env.get(RENDEZVOUS_TIMEOUT, "120"))
         except ValueError:
@@ -113,6 +123,7 @@ class WorkerEnvironment:
             bind_host=bind_host,
             advertise_host=env.get(ADVERTISE_HOST) or None,
             peer_port=peer_port,
+            data_port=data_port,
             rendezvous_timeout_s=rendezvous_timeout,
             transport=TransportOptions.from_env(env),
         )

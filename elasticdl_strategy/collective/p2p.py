@@ -27,6 +27,7 @@ from elasticdl_strategy.errors import (
     ConfigError,
     PeerFailureError,
 )
+from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.endpoints import open_channel
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort, settle
@@ -229,6 +230,11 @@ class PointToPoint:
         return sorted(dst for dst, stream in list(self._streams.items()) if stream.uses_shared_memory)
 
     @property
+    def data_socket_peers(self) -> List[int]:
+        """Ranks whose stream from this rank goes over a direct data socket."""
+        return sorted(dst for dst, stream in list(self._streams.items()) if stream.uses_data_socket)
+
+    @property
     def shared_bytes_sent(self) -> int:
         """Payload bytes sent through shared memory (included in ``bytes_sent``)."""
         return sum(stream.shared_bytes_sent for stream in list(self._streams.values()))
@@ -369,7 +375,14 @@ class PointToPoint:
                         src_rank=self.rank, membership_version=self.membership_version, worker_id=self._worker_id
                     )
                     stream = OutboundStream(
-                        channel, hello, self._token, dst, lambda reason: self.peer_failed(dst, reason), self._arena()
+                        channel,
+                        hello,
+                        self._token,
+                        dst,
+                        lambda reason: self.peer_failed(dst, reason),
+                        self._arena(),
+                        data_host=host_of(self.addresses[dst]) if self.options.uses_data_socket else None,
+                        options=self.options,
                     )
                     self._streams[dst] = stream
         return stream

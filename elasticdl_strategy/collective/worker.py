@@ -69,7 +69,7 @@ class Worker:
     @classmethod
     def join(cls, env: WorkerEnvironment) -> "Worker":
         tune_for_streaming()
-        server = WorkerServer(f"{env.bind_host}:{env.peer_port}", env.token, env.transport)
+        server = WorkerServer(f"{env.bind_host}:{env.peer_port}", env.token, env.transport, data_port=env.data_port)
         client = None
         worker: Optional[Worker] = None
         try:

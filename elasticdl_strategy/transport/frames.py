@@ -113,6 +113,10 @@ def encode_shared_chunk(slot: int, nbytes: int) -> bytes:
     return peer_pb2.Frame(shared_chunk=peer_pb2.SharedChunk(slot=slot, nbytes=nbytes)).SerializeToString()
 
 
+def encode_data_socket_attached() -> bytes:
+    return peer_pb2.Frame(data_socket_attached=True).SerializeToString()
+
+
 def encode_goodbye(goodbye: peer_pb2.Goodbye) -> bytes:
     return peer_pb2.Frame(goodbye=goodbye).SerializeToString()
 

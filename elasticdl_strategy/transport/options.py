@@ -103,6 +103,10 @@ class TransportOptions:
         shm_slot_size: bytes per arena slot (the unit copied in and reduced
             out while the next one is being filled).
         shm_slots: slots per arena (one arena per peer a worker sends to).
+        data_socket: move each stream's frames to a direct TCP connection
+            that the stream sets up and authenticates (the path between hosts,
+            and on one host without shared memory); gRPC stays the control
+            path. Not used with TLS: there every byte stays on the TLS channel.
     """
 
     chunk_size: int = 4 * MiB
@@ -116,6 +120,7 @@ class TransportOptions:
     shared_memory_dir: str = "/dev/shm"
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
+    data_socket: bool = True
 
     def __post_init__(self) -> None:
         if not (64 << 10) <= self.chunk_size <= 64 * MiB or self.chunk_size % 64:
@@ -138,6 +143,11 @@ class TransportOptions:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
+
+    @property
+    def uses_data_socket(self) -> bool:
+        """Whether streams ask for direct data sockets (``data_socket`` and no TLS)."""
+        return self.data_socket and self.tls is None
 
     @property
     def message_limit(self) -> int:
@@ -169,13 +179,14 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
-        ``EDL_SHM_SLOTS`` and TLS."""
+        ``EDL_SHM_SLOTS``, ``EDL_DATA_SOCKET`` (0 or 1) and TLS."""
         kwargs = {"tls": TLSConfig.from_env(env)}
-        flag = env.get("EDL_SHARED_MEMORY")
-        if flag:
-            if flag not in ("0", "1"):
-                raise ConfigError(f"EDL_SHARED_MEMORY={flag!r} must be 0 or 1")
-            kwargs["shared_memory"] = flag == "1"
+        for var, name in (("EDL_SHARED_MEMORY", "shared_memory"), ("EDL_DATA_SOCKET", "data_socket")):
+            flag = env.get(var)
+            if flag:
+                if flag not in ("0", "1"):
+                    raise ConfigError(f"{var}={flag!r} must be 0 or 1")
+                kwargs[name] = flag == "1"
         if env.get("EDL_SHM_DIR"):
             kwargs["shared_memory_dir"] = env["EDL_SHM_DIR"]
         for var, name, kind in (

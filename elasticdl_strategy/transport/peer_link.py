@@ -6,8 +6,9 @@ communicator. Messages are queued without blocking and written in order by
 gRPC's request-iterator thread, chunk by chunk, straight from the caller's
 array — or, once the peer has mapped the sender's shared-memory arena
 (same host, see :mod:`~elasticdl_strategy.transport.shared_memory`), copied
-into the arena's slots with only a small frame per chunk on the stream. The
-receiving side parses frames and hands headers and chunk payloads to a
+into the arena's slots with only a small frame per chunk on the stream, or,
+between hosts, written to a direct data socket that the stream set up
+(:mod:`~elasticdl_strategy.transport.data_socket`). The receiving side parses frames and hands headers and chunk payloads to a
 :class:`StreamListener`; what is done with them (matching, copying, reducing)
 belongs to the collective layer.
 """
@@ -22,10 +23,13 @@ from concurrent import futures
 from typing import Callable, Deque, Iterator, Optional, Protocol
 
 import grpc
+import numpy as np
 
 from elasticdl_strategy.errors import CommunicatorClosedError, PeerFailureError
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.auth import call_metadata
+from elasticdl_strategy.transport.data_socket import DataSocketClosed, DataSocketListener, FrameSocket, connect
+from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
 
@@ -37,8 +41,10 @@ ABORT_METHOD = f"/{SERVICE_NAME}/Abort"
 
 # How often idle waits wake up to check for shutdown.
 _IDLE_POLL_S = 1.0
-# How long the first payload waits for the peer to answer a shared-memory offer.
+# How long the first message waits for the peer to answer a shared-memory offer or data socket request.
 _ANSWER_TIMEOUT_S = 10.0
+# Payload bytes read from a data socket before they are handed on (reduced or copied).
+_SOCKET_PIECE = 1 << 20
 
 
 def settle(future: futures.Future, error: Optional[BaseException] = None) -> None:
@@ -80,6 +86,9 @@ class OutboundStream:
             stream ends other than through :meth:`close`.
         arena: a shared-memory arena to offer the peer; payloads go through
             it once the peer has mapped it, over gRPC until then or if it refuses.
+        data_host: the peer's host, to ask for a direct data socket (used when
+            no arena is mapped); ``None`` keeps every frame on gRPC.
+        options: timeouts and limits of the data socket.
     """
 
     def __init__(
@@ -90,6 +99,8 @@ class OutboundStream:
         peer_rank: int,
         on_broken: Callable[[str], None],
         arena: Optional[SendArena] = None,
+        data_host: Optional[str] = None,
+        options: Optional[TransportOptions] = None,
     ):
         self._peer_rank = peer_rank
         self._self_rank = hello.src_rank
@@ -105,12 +116,18 @@ class OutboundStream:
         self._arena_answered = False
         self._reply_reader: Optional[threading.Thread] = None
         self._free_slots: Deque[int] = collections.deque(range(arena.slots) if arena is not None else ())
+        self._data_host = data_host
+        self._options = options or TransportOptions()
+        self._socket: Optional[FrameSocket] = None
+        self._attached = False  # data_socket_attached was sent: every later frame goes on the socket
         self.bytes_sent = 0
         self.shared_bytes_sent = 0  # of bytes_sent, those that went through shared memory
-        if arena is not None:
+        if arena is not None or data_host is not None:
             offering = peer_pb2.StreamHello()
             offering.CopyFrom(hello)
-            offering.shared_memory.CopyFrom(arena.offer())
+            if arena is not None:
+                offering.shared_memory.CopyFrom(arena.offer())
+            offering.data_socket = data_host is not None
             hello = offering
         call = channel.stream_stream(
             TRANSFER_METHOD,
@@ -119,7 +136,7 @@ class OutboundStream:
         )
         self._call = call(self._frames(frames.encode_hello(hello)), metadata=call_metadata(token), wait_for_ready=False)
         self._call.add_done_callback(self._on_call_done)
-        if arena is not None:
+        if arena is not None or data_host is not None:
             self._reply_reader = threading.Thread(
                 target=self._read_replies, name=f"edl-replies-{peer_rank}", daemon=True
             )
@@ -129,6 +146,11 @@ class OutboundStream:
     def uses_shared_memory(self) -> bool:
         """Whether the peer mapped this stream's arena (payloads then go through shared memory)."""
         return self._arena_accepted
+
+    @property
+    def uses_data_socket(self) -> bool:
+        """Whether this stream's frames go over a direct data socket."""
+        return self._attached
 
     def submit(self, message: OutgoingMessage) -> None:
         """Queues ``message``; never blocks.
@@ -156,6 +178,8 @@ class OutboundStream:
             self._call.cancel()
         if self._reply_reader is not None:
             self._reply_reader.join(timeout=max(0.1, deadline - time.monotonic()))
+        if self._socket is not None:
+            self._socket.close()
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
@@ -184,10 +208,21 @@ class OutboundStream:
             message = self._next_message()
             if message is None:
                 if self._error is None:
-                    yield frames.encode_goodbye(self._goodbye)
+                    if self._attached:
+                        self._write_to_socket(frames.encode_goodbye(self._goodbye))
+                    else:
+                        yield frames.encode_goodbye(self._goodbye)
                 return
+            if not self._await_answer():
+                return  # the stream broke: _on_call_done fails this message
+            if self._socket is not None and not self._attached:
+                self._attached = True
+                yield frames.encode_data_socket_attached()
             header, payload = message.header, message.payload
-            if len(payload) and self._await_answer() and self._arena_accepted:
+            if self._attached:
+                if not self._write_to_socket(frames.encode_header(header), payload):
+                    return
+            elif len(payload) and self._arena_accepted:
                 piece = self._arena.slot_size
                 for offset in range(0, len(payload), piece):
                     slot = self._free_slot()
@@ -212,12 +247,23 @@ class OutboundStream:
             self._in_flight = None
             settle(message.future)
 
+    def _write_to_socket(self, frame: bytes, payload: Optional[memoryview] = None) -> bool:
+        """Writes a frame (and its payload) on the data socket; False, with the stream failed, if it broke."""
+        try:
+            self._socket.send_frame(frame, payload)
+            return True
+        except DataSocketClosed as e:
+            self._fail(str(e))
+            self._call.cancel()
+            return False
+
     def _await_answer(self) -> bool:
-        """Waits (once, before the first payload) for the peer's answer to the arena offer.
+        """Waits (once, before the first message) for the peer's answer to the arena offer
+        or data socket request.
 
         Returns False when the stream broke meanwhile.
         """
-        if self._arena is None or self._arena_answered:
+        if self._reply_reader is None or self._arena_answered:
             return True
         deadline = time.monotonic() + _ANSWER_TIMEOUT_S
         with self._cond:
@@ -225,7 +271,8 @@ class OutboundStream:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     logger.warning(
-                        "rank %d: rank %d did not answer the shared-memory offer within %gs; sending over gRPC",
+                        "rank %d: rank %d did not answer the shared-memory offer or data socket request "
+                        "within %gs; sending over gRPC",
                         self._self_rank,
                         self._peer_rank,
                         _ANSWER_TIMEOUT_S,
@@ -245,22 +292,30 @@ class OutboundStream:
             return self._free_slots.popleft()
 
     def _read_replies(self) -> None:
-        """Reads the peer's answer to the shared-memory offer, then the slots it hands back."""
+        """Reads the peer's answer (connecting the data socket it offers), then the slots it hands back."""
         replies = iter(self._call)
         try:
             answer = next(replies)
-            self._arena.unlink()
+            if self._arena is not None:
+                self._arena.unlink()
+            data_socket = self._connect_data_socket(answer) if answer.data_socket_port else None
             with self._cond:
-                self._arena_accepted = answer.shared_memory_accepted and not self._arena_answered
+                late = self._arena_answered  # _await_answer gave up and went on over gRPC
+                self._arena_accepted = answer.shared_memory_accepted and not late
+                if data_socket is not None and not late:
+                    self._socket, data_socket = data_socket, None
                 self._arena_answered = True
                 self._cond.notify_all()
+            if data_socket is not None:
+                data_socket.close()
             if not answer.shared_memory_accepted:
-                logger.debug(
-                    "rank %d -> rank %d: no shared memory (%s); sending over gRPC",
-                    self._self_rank,
-                    self._peer_rank,
-                    answer.shared_memory_refusal,
-                )
+                if self._arena is not None:
+                    logger.debug(
+                        "rank %d -> rank %d: no shared memory (%s)",
+                        self._self_rank,
+                        self._peer_rank,
+                        answer.shared_memory_refusal,
+                    )
                 return
             for reply in replies:
                 with self._cond:
@@ -269,7 +324,30 @@ class OutboundStream:
         except (grpc.RpcError, StopIteration):
             pass  # the stream ended; _on_call_done reports why
         finally:
-            self._arena.unlink()
+            if self._arena is not None:
+                self._arena.unlink()
+
+    def _connect_data_socket(self, answer: peer_pb2.TransferReply) -> Optional[FrameSocket]:
+        options = self._options
+        try:
+            return connect(
+                self._data_host,
+                answer.data_socket_port,
+                answer.data_socket_ticket,
+                options.connect_timeout_s,
+                options.keepalive_s,
+                options.message_limit,
+            )
+        except OSError as e:
+            logger.warning(
+                "rank %d: cannot connect a data socket to rank %d at %s:%d (%s); sending over gRPC",
+                self._self_rank,
+                self._peer_rank,
+                self._data_host,
+                answer.data_socket_port,
+                e,
+            )
+            return None
 
     def _on_call_done(self, call: grpc.Future) -> None:
         if call.cancelled():
@@ -282,8 +360,15 @@ class OutboundStream:
                 reason = "the peer ended the stream"
             else:
                 reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.Call) else repr(error)
+        if self._socket is not None:
+            self._socket.shutdown()  # wakes a write blocked on a peer that is gone
+        self._fail(reason)
+
+    def _fail(self, reason: Optional[str]) -> None:
+        """Fails every unsent message; reports ``reason`` (once) unless the stream is closing."""
         with self._cond:
-            if reason is not None and self._error is None:
+            first = reason is not None and self._error is None
+            if first:
                 self._error = reason
             pending = ([self._in_flight] if self._in_flight is not None else []) + list(self._queue)
             self._queue.clear()
@@ -298,7 +383,7 @@ class OutboundStream:
                     rank=self._self_rank,
                 ),
             )
-        if reason is not None and not self._closing:
+        if first and not self._closing:
             self._on_broken(reason)
 
 
@@ -337,11 +422,23 @@ class PeerService:
         listener: where streams and aborts go.
         shared_memory_dir: directory in which senders' shared-memory arenas
             are looked up; ``None`` refuses every offer.
+        data_sockets: where senders' data sockets arrive; ``None`` keeps
+            every stream on gRPC.
+        attach_timeout_s: how long a stream waits for the data socket its
+            sender says it has connected.
     """
 
-    def __init__(self, listener: StreamListener, shared_memory_dir: Optional[str] = None):
+    def __init__(
+        self,
+        listener: StreamListener,
+        shared_memory_dir: Optional[str] = None,
+        data_sockets: Optional[DataSocketListener] = None,
+        attach_timeout_s: float = 10.0,
+    ):
         self._listener = listener
         self._shared_memory_dir = shared_memory_dir
+        self._data_sockets = data_sockets
+        self._attach_timeout_s = attach_timeout_s
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -373,16 +470,22 @@ class PeerService:
             receiver = self._listener.open_stream(first.hello)
         except (StopIteration, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stream rejected: {e}")
-        arena = None
-        if first.hello.HasField("shared_memory"):
-            arena, refusal = ReceiveArena.open(self._shared_memory_dir, first.hello.shared_memory)
-            yield peer_pb2.TransferReply(shared_memory_accepted=arena is not None, shared_memory_refusal=refusal)
+        hello, arena, ticket = first.hello, None, None
+        if hello.HasField("shared_memory") or hello.data_socket:
+            answer = peer_pb2.TransferReply()
+            if hello.HasField("shared_memory"):
+                arena, answer.shared_memory_refusal = ReceiveArena.open(self._shared_memory_dir, hello.shared_memory)
+                answer.shared_memory_accepted = arena is not None
+            if arena is None and hello.data_socket and self._data_sockets is not None:
+                ticket = self._data_sockets.expect()
+                answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket
+            yield answer
         error: Optional[str] = "the stream ended without a goodbye (the sender died or lost its connection)"
         goodbye = None
         try:
-            goodbye = yield from self._receive(frame_iterator, receiver, arena)
+            goodbye = yield from self._receive(frame_iterator, receiver, arena, lambda: self._attach(ticket, context))
             error = None
-        except grpc.RpcError:
+        except (grpc.RpcError, DataSocketClosed):
             error = "the connection broke (the sender died or the network failed)"
         except _IncompleteMessage:
             pass
@@ -393,12 +496,29 @@ class PeerService:
             receiver.on_closed(error, goodbye)
             if arena is not None:
                 arena.close()
+            if ticket is not None:
+                self._data_sockets.discard(ticket)
         if error is not None:
             context.abort(grpc.StatusCode.DATA_LOSS, error)
 
+    def _attach(self, ticket: Optional[bytes], context) -> FrameSocket:
+        """Takes the data socket the sender connected with ``ticket``; it is shut down when the call ends."""
+        if ticket is None:
+            raise ValueError("data_socket_attached on a stream that was not given a data socket")
+        try:
+            data_socket = self._data_sockets.claim(ticket, self._attach_timeout_s)
+        except TimeoutError as e:
+            raise ValueError(f"the sender attached a data socket that never arrived: {e}") from None
+        if not context.add_callback(data_socket.shutdown):
+            data_socket.shutdown()  # the call has already ended
+        return data_socket
+
     @staticmethod
-    def _receive(frame_iterator, receiver: StreamReceiver, arena: Optional[ReceiveArena]):
-        """Delivers messages until the goodbye, which it returns; yields the replies that hand slots back."""
+    def _receive(frame_iterator, receiver: StreamReceiver, arena: Optional[ReceiveArena], attach):
+        """Delivers messages until the goodbye, which it returns; yields the replies that hand slots back.
+
+        ``attach()`` returns the data socket once the sender says the rest of the stream is on it.
+        """
         for frame in frame_iterator:
             if frames.is_chunk(frame):  # a whole message in one frame
                 whole = frames.split_whole_message(frame)
@@ -412,6 +532,15 @@ class PeerService:
             control = frames.decode_control(frame)
             if control.WhichOneof("kind") == "goodbye":
                 return control.goodbye
+            if control.WhichOneof("kind") == "data_socket_attached":
+                data_socket = attach()
+                try:
+                    goodbye = PeerService._receive_from_socket(data_socket, receiver)
+                finally:
+                    data_socket.close()
+                if next(frame_iterator, None) is not None:
+                    raise ValueError("a frame on gRPC after the stream moved to its data socket")
+                return goodbye
             header = control.header
             writer = receiver.on_header(header)
             if header.inline_data or header.nbytes == 0:
@@ -436,6 +565,30 @@ class PeerService:
                         offset = yield from PeerService._read_shared(arena, control.shared_chunk, writer, offset)
             writer.finish()
         raise _IncompleteMessage()  # ended without a goodbye: the sender died
+
+    @staticmethod
+    def _receive_from_socket(data_socket: FrameSocket, receiver: StreamReceiver) -> peer_pb2.Goodbye:
+        """Delivers the messages that arrive on ``data_socket`` until the goodbye, which it returns."""
+        scratch = None  # one piece of payload at a time, reused for every message of the stream
+        while True:
+            control = frames.decode_control(data_socket.recv_frame())
+            kind = control.WhichOneof("kind")
+            if kind == "goodbye":
+                return control.goodbye
+            if kind != "header":
+                raise ValueError(f"a {kind} frame on a data socket")
+            header = control.header
+            writer = receiver.on_header(header)
+            if header.inline_data:
+                writer.write(0, memoryview(header.inline_data))
+            elif header.nbytes:
+                if scratch is None or len(scratch) < min(header.nbytes, _SOCKET_PIECE):
+                    scratch = memoryview(np.empty(min(header.nbytes, _SOCKET_PIECE), np.uint8))
+                for offset in range(0, header.nbytes, len(scratch)):
+                    piece = scratch[: min(len(scratch), header.nbytes - offset)]
+                    data_socket.recv_into(piece)
+                    writer.write(offset, piece, borrowed=True)
+            writer.finish()
 
     @staticmethod
     def _read_shared(arena: Optional[ReceiveArena], shared: peer_pb2.SharedChunk, writer, offset: int):

@@ -13,6 +13,7 @@ from typing import Optional
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from elasticdl_strategy.transport.data_socket import DataSocketListener, host_of
 from elasticdl_strategy.transport.endpoints import start_server
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import PeerService, StreamListener
@@ -20,7 +21,8 @@ from elasticdl_strategy.transport.protos import peer_pb2
 
 
 class WorkerServer:
-    """Serves a worker's peer endpoint on ``bind`` (port 0 picks a free port).
+    """Serves a worker's peer endpoint on ``bind`` (port 0 picks a free port), and
+    accepts direct data sockets on the same host at ``data_port`` (0: any free port).
 
     Example::
 
@@ -29,14 +31,25 @@ class WorkerServer:
         server.set_listener(version, p2p)       # once the membership is known
     """
 
-    def __init__(self, bind: str, token: str, options: TransportOptions, max_threads: int = 64):
+    def __init__(self, bind: str, token: str, options: TransportOptions, max_threads: int = 64, data_port: int = 0):
         self._options = options
         self._cond = threading.Condition()
         self._listener: Optional[StreamListener] = None
         self._version = -1
         self.health = health.HealthServicer()
+        self.data_sockets: Optional[DataSocketListener] = None
+        if options.uses_data_socket:
+            self.data_sockets = DataSocketListener(
+                host_of(bind), data_port, options.keepalive_s, options.message_limit, options.connect_timeout_s
+            )
+        service = PeerService(
+            self,
+            options.shared_memory_dir if options.shared_memory else None,
+            self.data_sockets,
+            attach_timeout_s=options.connect_timeout_s,
+        )
         self._server, self.port = start_server(
-            [PeerService(self, options.shared_memory_dir if options.shared_memory else None).generic_handler()],
+            [service.generic_handler()],
             bind,
             token,
             options,
@@ -72,3 +85,5 @@ class WorkerServer:
     def stop(self, grace: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait(timeout=grace + 1.0)
+        if self.data_sockets is not None:
+            self.data_sockets.close()

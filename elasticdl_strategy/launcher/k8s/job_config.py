@@ -17,6 +17,7 @@ _IMAGE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._/:@-]*$")
 
 COORDINATOR_PORT = 50051
 WORKER_PORT = 50052
+DATA_PORT = 50053  # direct data sockets between workers
 
 
 def _check_quantity(flag: str, value: str) -> None:

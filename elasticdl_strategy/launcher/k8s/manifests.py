@@ -19,7 +19,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Dict, List, Optional
 
-from elasticdl_strategy.launcher.k8s.job_config import COORDINATOR_PORT, WORKER_PORT, K8sJobConfig
+from elasticdl_strategy.launcher.k8s.job_config import COORDINATOR_PORT, DATA_PORT, WORKER_PORT, K8sJobConfig
 
 Manifest = Dict[str, Any]
 
@@ -200,6 +200,7 @@ def worker_pod(
         {"name": "EDL_BIND_HOST", "value": "$(EDL_POD_IP)"},
         {"name": "EDL_ADVERTISE_HOST", "value": "$(EDL_POD_IP)"},
         {"name": "EDL_PEER_PORT", "value": str(WORKER_PORT)},
+        {"name": "EDL_DATA_PORT", "value": str(DATA_PORT)},
         {"name": "EDL_RENDEZVOUS_TIMEOUT", "value": f"{config.rendezvous_timeout_s:g}"},
         *({"name": key, "value": value} for key, value in config.env),
     ]
@@ -209,7 +210,10 @@ def worker_pod(
         "imagePullPolicy": config.image_pull_policy,
         "command": list(config.command),
         "env": env,
-        "ports": [{"name": "grpc-peer", "containerPort": WORKER_PORT}],
+        "ports": [
+            {"name": "grpc-peer", "containerPort": WORKER_PORT},
+            {"name": "data-peer", "containerPort": DATA_PORT},
+        ],
         "resources": resources,
         "securityContext": _security_context(),
         **_grpc_probes(WORKER_PORT, startup_seconds=600),

@@ -1,0 +1,258 @@
+"""Direct data sockets: a stream's frames on a plain TCP connection, set up through gRPC.
+
+gRPC Python copies every message several times under the GIL and hands it
+between threads on the way (see ``benchmarks/README.md``); a plain socket
+moves bulk bytes straight from the sender's array into the kernel and from
+the kernel into the receiver's buffer. gRPC stays the control path: a
+``Transfer`` stream asks for a data socket in its hello, the receiver answers
+on that authenticated stream with a port and a one-time random ticket, and
+the sender connects and writes the ticket first. A connection whose first
+bytes are not a live ticket is closed without touching any state, so the
+job token still guards everything (the ticket is only ever handed to a
+caller that presented it).
+
+On the socket every control frame is length-prefixed (4 bytes, little
+endian) and a payload follows its header as raw bytes. The gRPC stream stays
+open beside it; when it ends (the peer died, the server stopped), the socket
+is shut down, which wakes any thread blocked on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+import threading
+from typing import Dict, Optional, Tuple
+
+from elasticdl_strategy.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TICKET_BYTES = 32
+_LENGTH = struct.Struct("<I")
+
+
+class DataSocketClosed(Exception):
+    """The connection ended (EOF or reset) or was shut down."""
+
+
+def _tune(sock: socket.socket, keepalive_s: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    seconds = max(1, int(round(keepalive_s)))
+    for name, value in (("TCP_KEEPIDLE", seconds), ("TCP_KEEPINTVL", seconds), ("TCP_KEEPCNT", 2)):
+        if hasattr(socket, name):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class FrameSocket:
+    """A connected data socket: length-prefixed frames and raw payload bytes.
+
+    Reads come from one thread and writes from one thread (either may be
+    the same); :meth:`shutdown` may be called from any thread.
+    """
+
+    def __init__(self, sock: socket.socket, max_frame: int):
+        sock.settimeout(None)  # liveness comes from the gRPC stream beside it and TCP keepalive
+        self._sock = sock
+        self._max_frame = max_frame
+        self._reader = sock.makefile("rb", buffering=64 << 10)
+
+    def send_frame(self, frame: bytes, payload: Optional[memoryview] = None) -> None:
+        """Writes one control frame, then ``payload`` raw (not copied).
+
+        Raises:
+            DataSocketClosed: the connection is gone.
+        """
+        try:
+            if payload is not None and len(payload) <= 64 << 10:
+                self._sock.sendall(b"".join((_LENGTH.pack(len(frame)), frame, payload)))
+                return
+            self._sock.sendall(_LENGTH.pack(len(frame)) + frame)
+            if payload is not None and len(payload):
+                self._sock.sendall(payload)
+        except OSError as e:
+            raise DataSocketClosed(f"writing to the data socket failed: {e}") from None
+
+    def recv_frame(self) -> bytes:
+        """Reads the next control frame.
+
+        Raises:
+            DataSocketClosed: the connection ended.
+            ValueError: the length prefix is larger than any valid frame.
+        """
+        (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
+        if length > self._max_frame:
+            raise ValueError(f"a {length}-byte frame on the data socket (at most {self._max_frame})")
+        return self._read(length)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fills ``view`` with the next ``len(view)`` payload bytes.
+
+        Raises:
+            DataSocketClosed: the connection ended first.
+        """
+        try:
+            n = self._reader.readinto(view)
+        except (OSError, ValueError) as e:  # ValueError: read after shutdown closed the file
+            raise DataSocketClosed(f"the data socket broke: {e}") from None
+        if n != len(view):
+            raise DataSocketClosed("the data socket ended in the middle of a message")
+
+    def _read(self, n: int) -> bytes:
+        try:
+            data = self._reader.read(n)
+        except (OSError, ValueError) as e:
+            raise DataSocketClosed(f"the data socket broke: {e}") from None
+        if len(data) != n:
+            raise DataSocketClosed("the data socket ended" + (" in the middle of a frame" if data else ""))
+        return data
+
+    def shutdown(self) -> None:
+        """Ends the connection both ways; blocked reads and writes return at once. Idempotent."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.shutdown()
+        try:
+            self._reader.close()
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def connect(host: str, port: int, ticket: bytes, timeout: float, keepalive_s: float, max_frame: int) -> FrameSocket:
+    """Connects to a receiver's :class:`DataSocketListener` and presents ``ticket``.
+
+    Raises:
+        OSError: no connection within ``timeout``.
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        _tune(sock, keepalive_s)
+        sock.sendall(ticket)
+    except OSError:
+        sock.close()
+        raise
+    return FrameSocket(sock, max_frame)
+
+
+def host_of(address: str) -> str:
+    """``"10.0.0.3"`` of ``"10.0.0.3:4000"``, ``"::1"`` of ``"[::1]:4000"``."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+class DataSocketListener:
+    """Accepts data sockets on ``host:port`` (port 0: any free port) and hands each
+    to the stream whose ticket it presents.
+
+    Example::
+
+        listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=5 << 20)
+        ticket = listener.expect()                  # sent to the peer on its gRPC stream
+        frames = listener.claim(ticket, timeout=10)  # the peer's connection
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, keepalive_s: float, max_frame: int, ticket_timeout_s: float = 5.0):
+        host = host or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._keepalive_s = keepalive_s
+        self._max_frame = max_frame
+        self._ticket_timeout_s = ticket_timeout_s
+        self._cond = threading.Condition()
+        self._expected: Dict[bytes, Optional[FrameSocket]] = {}
+        self._closed = False
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+            self._sock.listen(64)
+        except OSError as e:
+            self._sock.close()
+            raise ConfigError(f"cannot listen for data sockets on {host}:{port}: {e.strerror}") from None
+        self.port: int = self._sock.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept_loop, name="edl-data-accept", daemon=True)
+        self._acceptor.start()
+
+    def expect(self) -> bytes:
+        """Registers and returns a fresh ticket for one connection."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._cond:
+            self._expected[ticket] = None
+        return ticket
+
+    def claim(self, ticket: bytes, timeout: float) -> FrameSocket:
+        """Waits for the connection that presents ``ticket`` and takes it.
+
+        Raises:
+            TimeoutError: it did not arrive within ``timeout``.
+        """
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: self._expected.get(ticket) is not None or self._closed, timeout)
+            frames = self._expected.pop(ticket, None)
+        if not arrived or frames is None:
+            if frames is not None:
+                frames.close()
+            raise TimeoutError(f"no data socket presented its ticket within {timeout:g}s")
+        return frames
+
+    def discard(self, ticket: bytes) -> None:
+        """Forgets an unused ticket (closing its connection if one arrived)."""
+        with self._cond:
+            frames = self._expected.pop(ticket, None)
+        if frames is not None:
+            frames.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            leftovers = [f for f in self._expected.values() if f is not None]
+            self._expected.clear()
+            self._cond.notify_all()
+        for frames in leftovers:
+            frames.close()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._acceptor.join(timeout=2.0)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._admit, args=(conn, peer), name="edl-data-admit", daemon=True).start()
+
+    def _admit(self, conn: socket.socket, peer: Tuple) -> None:
+        """Reads the ticket (bounded in time) and hands the connection over, or closes it."""
+        try:
+            conn.settimeout(self._ticket_timeout_s)
+            ticket = b""
+            while len(ticket) < TICKET_BYTES:
+                part = conn.recv(TICKET_BYTES - len(ticket))
+                if not part:
+                    break
+                ticket += part
+            _tune(conn, self._keepalive_s)
+        except OSError:
+            ticket = b""
+        with self._cond:
+            accepted = len(ticket) == TICKET_BYTES and ticket in self._expected and self._expected[ticket] is None
+            if accepted:
+                self._expected[ticket] = FrameSocket(conn, self._max_frame)
+                self._cond.notify_all()
+        if not accepted:
+            logger.warning("refused a data connection from %s: no valid ticket", peer[0])
+            conn.close()
