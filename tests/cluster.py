@@ -15,6 +15,14 @@ from elasticdl_strategy.transport.worker_server import WorkerServer
 RUN_TIMEOUT_S = 60.0
 
 
+def transport_options(transport: str, **kwargs) -> TransportOptions:
+    """Test options whose payloads go through ``transport``: "shared-memory", "data-socket" or "grpc"."""
+    assert transport in ("shared-memory", "data-socket", "grpc"), transport
+    kwargs.setdefault("timeout_s", 20.0)
+    kwargs.setdefault("connect_timeout_s", 5.0)
+    return TransportOptions(shared_memory=transport == "shared-memory", data_socket=transport != "grpc", **kwargs)
+
+
 class ThreadCluster:
     """``n`` communicators in this process, each with its own peer server.
 

@@ -1,8 +1,8 @@
 """Every collective against numpy, N = 1..4 ranks, random shapes, dtypes and ops.
 
 Ranks run as threads of this process, each with its own gRPC server and
-streams (the same code path as separate processes), once with payloads through
-shared memory and once over gRPC; the multi-process runs are in
+streams (the same code path as separate processes), once for each payload path
+(shared memory, direct data sockets, gRPC only); the multi-process runs are in
 test_multiprocess.py.
 """
 
@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from elasticdl_strategy.collective.dtypes import SUPPORTED_DTYPES
 from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.options import TransportOptions
-from tests.cluster import ThreadCluster
+from tests.cluster import ThreadCluster, transport_options
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
 
 SIZES = (1, 2, 3, 4)
@@ -31,10 +30,11 @@ PROPERTY_SETTINGS = settings(
 )
 
 
-@pytest.fixture(scope="module", params=["shared-memory", "grpc"])
+@pytest.fixture(scope="module", params=["shared-memory", "data-socket", "grpc"])
 def clusters(request):
-    """Clusters of every size, with payloads through shared memory (the default on one host) or gRPC."""
-    options = TransportOptions(timeout_s=20.0, connect_timeout_s=5.0, shared_memory=request.param == "shared-memory")
+    """Clusters of every size, with payloads through shared memory (the default on one host),
+    direct data sockets (between hosts) or gRPC only."""
+    options = transport_options(request.param)
     made = {n: ThreadCluster(n, options) for n in SIZES}
     yield made
     for cluster in made.values():

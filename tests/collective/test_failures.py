@@ -8,7 +8,7 @@ import pytest
 
 from elasticdl_strategy.errors import PeerFailureError
 from tests.cluster import ThreadCluster
-from tests.launch import read_reports, run_job, worker_script
+from tests.launch import TRANSPORTS, read_reports, run_job, transport_env, worker_script
 
 pytestmark = pytest.mark.slow
 
@@ -17,10 +17,10 @@ def _survivors(results_dir, n, victim):
     return read_reports(results_dir, [r for r in range(n) if r != victim["rank"]])
 
 
-@pytest.mark.parametrize("transport", ["shared-memory", "grpc"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, n, transport):
-    env = {"EDL_SHARED_MEMORY": "1" if transport == "shared-memory" else "0"}
+    env = transport_env(transport)
     job = run_job(n, [sys.executable, worker_script("peer_killed.py"), str(tmp_path)], timeout=90, env=env)
     victim = json.loads((tmp_path / "victim.json").read_text())
     assert job.returncode != 0  # the launcher reports the killed worker
@@ -33,6 +33,7 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         # 256 KiB arrays: the direct exchange, so every rank sends to every other one.
         others = [r for r in range(n) if r != outcome["rank"]]
         assert outcome["shared_memory_peers"] == (others if transport == "shared-memory" else []), outcome
+        assert outcome["data_socket_peers"] == (others if transport == "data-socket" else []), outcome
 
 
 def test_hung_peer_is_declared_dead_by_the_coordinator_and_survivors_raise(tmp_path):

@@ -5,17 +5,18 @@ import sys
 
 import pytest
 
-from tests.launch import run_job, worker_script
+from tests.launch import run_job, transport_env, worker_script
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "n, transport", [(1, "shared-memory"), (2, "shared-memory"), (2, "grpc"), (3, "grpc"), (4, "shared-memory")]
+    "n, transport",
+    [(1, "shared-memory"), (2, "shared-memory"), (2, "data-socket"), (3, "grpc"), (4, "shared-memory")],
 )
 def test_every_collective_dtype_and_edge_size_in_processes(tmp_path, n, transport):
     extra_flags = ["--64mib"] if n in (2, 4) else []
-    env = {"EDL_SHARED_MEMORY": "1" if transport == "shared-memory" else "0"}
+    env = transport_env(transport)
     command = [sys.executable, worker_script("collectives_matrix.py"), str(tmp_path), *extra_flags]
     job = run_job(n, command, timeout=240, env=env)
     assert job.returncode == 0, job.stderr[-3000:]
@@ -24,6 +25,9 @@ def test_every_collective_dtype_and_edge_size_in_processes(tmp_path, n, transpor
     for report in reports:
         assert report["size"] == n
         assert report["failures"] == [], report["failures"][:5]
+        others = [r for r in range(n) if r != report["rank"]]
+        assert report["paths"]["shared_memory"] == (others if transport == "shared-memory" else [])
+        assert report["paths"]["data_socket"] == (others if transport == "data-socket" else [])
 
     divisible, uneven, small = ([r["counters"][i] for r in reports] for i in range(3))
     # Divisible size: every rank sends and receives exactly 2(N-1)/N of the data.

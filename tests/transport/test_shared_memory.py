@@ -123,7 +123,7 @@ def test_a_message_sent_before_its_receive_is_posted_survives_slot_reuse(tmp_pat
             np.testing.assert_array_equal(receiver.recv(src=0, tag=i, timeout=20), messages[i])
 
 
-def test_peers_that_cannot_see_each_others_arena_fall_back_to_grpc(tmp_path):
+def test_peers_that_cannot_see_each_others_arena_use_the_data_socket(tmp_path):
     # Each rank has its own shared-memory directory, as on two hosts: offers are refused.
     token = new_token()
     options = [_options(tmp_path / f"host{r}") for r in range(2)]
@@ -151,6 +151,7 @@ def test_peers_that_cannot_see_each_others_arena_fall_back_to_grpc(tmp_path):
         for r in range(2):
             np.testing.assert_array_equal(results[r], data * 3)
             assert comms[r].p2p.shared_memory_peers == [] and comms[r].p2p.shared_bytes_sent == 0
+            assert comms[r].p2p.data_socket_peers == [1 - r]  # as between hosts: the data socket
         for c in comms:
             c.close(timeout=2.0)
         assert _arenas_left(options[0].shared_memory_dir) == _arenas_left(options[1].shared_memory_dir) == []

@@ -101,7 +101,11 @@ def main(results_dir: str, with_64mib: bool) -> None:
 
         check("allreduce 64 MiB", big)
 
-    write_report(results_dir, rank, {"rank": rank, "size": n, "failures": failures, "counters": counters})
+    p2p = collective.communicator().p2p
+    paths = {"shared_memory": p2p.shared_memory_peers, "data_socket": p2p.data_socket_peers}
+    write_report(
+        results_dir, rank, {"rank": rank, "size": n, "failures": failures, "counters": counters, "paths": paths}
+    )
     collective.shutdown()
 
 

@@ -34,6 +34,7 @@ def main(results_dir: str, how: str) -> None:
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e))
     outcome["shared_memory_peers"] = collective.communicator().p2p.shared_memory_peers
+    outcome["data_socket_peers"] = collective.communicator().p2p.data_socket_peers
     write_report(results_dir, rank, outcome)
     sys.exit(3 if outcome["error"] else 0)
 

@@ -1,0 +1,214 @@
+"""Direct data sockets: tickets, framing, moving a stream off gRPC, falling back to it."""
+
+import dataclasses
+import secrets
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.collective.communicator import Communicator
+from elasticdl_strategy.collective.p2p import PointToPoint
+from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport import peer_link
+from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
+from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
+from elasticdl_strategy.transport.worker_server import WorkerServer
+from tests.cluster import ThreadCluster, transport_options
+
+MAX_FRAME = 1 << 20
+
+
+@pytest.fixture
+def listener():
+    made = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=MAX_FRAME, ticket_timeout_s=2.0)
+    yield made
+    made.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed ``sock`` (reads EOF or a reset within 5 s)."""
+    sock.settimeout(5.0)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+# ---- the listener and its tickets -------------------------------------------------------------
+
+
+def test_a_connection_presenting_its_ticket_is_handed_to_the_stream_and_carries_frames(listener):
+    ticket = listener.expect()
+    sender = connect("127.0.0.1", listener.port, ticket, timeout=5.0, keepalive_s=2.0, max_frame=MAX_FRAME)
+    receiver = listener.claim(ticket, timeout=5.0)
+    try:
+        payload = np.arange(300_000, dtype=np.float32)  # larger than the inline bound: written separately
+        sender.send_frame(b"header-1", memoryview(payload).cast("B"))
+        sender.send_frame(b"header-2", memoryview(b"small"))
+        assert receiver.recv_frame() == b"header-1"
+        got = np.empty_like(payload)
+        receiver.recv_into(memoryview(got).cast("B"))
+        np.testing.assert_array_equal(got, payload)
+        assert receiver.recv_frame() == b"header-2"
+        small = bytearray(5)
+        receiver.recv_into(memoryview(small))
+        assert bytes(small) == b"small"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_connection_without_a_valid_ticket_is_closed_and_changes_nothing(listener):
+    ticket = listener.expect()
+    for first_bytes in (secrets.token_bytes(TICKET_BYTES), ticket[:-1]):  # wrong, and too short then EOF
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as stranger:
+            stranger.sendall(first_bytes)
+            if len(first_bytes) < TICKET_BYTES:
+                stranger.shutdown(socket.SHUT_WR)
+            assert _closed_by_peer(stranger)
+    # The real ticket is still good.
+    sender = connect("127.0.0.1", listener.port, ticket, timeout=5.0, keepalive_s=2.0, max_frame=MAX_FRAME)
+    listener.claim(ticket, timeout=5.0).close()
+    sender.close()
+
+
+def test_a_ticket_is_good_for_one_connection_only(listener):
+    ticket = listener.expect()
+    first = connect("127.0.0.1", listener.port, ticket, timeout=5.0, keepalive_s=2.0, max_frame=MAX_FRAME)
+    listener.claim(ticket, timeout=5.0).close()
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as again:
+        again.sendall(ticket)
+        assert _closed_by_peer(again)
+    first.close()
+
+
+def test_a_connection_that_never_arrives_times_out_with_a_typed_error(listener):
+    ticket = listener.expect()
+    with pytest.raises(TimeoutError, match="within 0.2s"):
+        listener.claim(ticket, timeout=0.2)
+    listener.discard(ticket)
+
+
+def test_a_frame_length_beyond_the_limit_is_an_error_not_an_allocation(listener):
+    ticket = listener.expect()
+    raw = socket.create_connection(("127.0.0.1", listener.port), timeout=5.0)
+    raw.sendall(ticket + (MAX_FRAME + 1).to_bytes(4, "little"))
+    receiver = listener.claim(ticket, timeout=5.0)
+    try:
+        with pytest.raises(ValueError, match=f"at most {MAX_FRAME}"):
+            receiver.recv_frame()
+    finally:
+        receiver.close()
+        raw.close()
+
+
+def test_hosts_are_taken_from_peer_addresses():
+    assert host_of("10.0.0.3:4000") == "10.0.0.3"
+    assert host_of("[::1]:4000") == "::1"
+    assert host_of("worker-2.job.svc:50052") == "worker-2.job.svc"
+
+
+# ---- streams on data sockets ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_streams_move_to_data_sockets_and_give_the_same_bits_as_grpc(n):
+    rng = np.random.default_rng(n)
+    inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(n)]  # several pieces, uneven
+    results = {}
+    for transport in ("data-socket", "grpc"):
+        with ThreadCluster(n, transport_options(transport)) as cluster:
+            results[transport] = cluster.run(lambda c: c.allreduce(inputs[c.rank].copy(), op="sum"))
+            for comm in cluster.communicators:
+                expected = [(comm.rank + 1) % n] if transport == "data-socket" else []  # the ring's right neighbour
+                assert comm.p2p.data_socket_peers == expected
+    for r in range(n):
+        np.testing.assert_array_equal(results["data-socket"][r], results["grpc"][r])
+    np.testing.assert_allclose(results["grpc"][0], np.sum(inputs, axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_every_message_kind_crosses_a_data_socket_in_order():
+    options = transport_options("data-socket", inline_threshold=1024)
+    messages = [
+        np.zeros(0, np.float32),  # empty
+        np.arange(10, dtype=np.int64),  # inline in the header
+        np.arange(3 << 20, dtype=np.uint8),  # three pieces
+        np.arange((1 << 18) + 3, dtype=np.float64),  # uneven last piece
+    ]
+    with ThreadCluster(2, options) as cluster:
+        sender, receiver = (c.p2p for c in cluster.communicators)
+        for tag, m in enumerate(messages):
+            sender.isend(m, dst=1, tag=tag).wait(timeout=20)  # arrive before their receives: buffered
+        assert sender.data_socket_peers == [1]
+        for tag in reversed(range(len(messages))):
+            got = receiver.recv(src=0, tag=tag, timeout=20)
+            assert got.dtype == messages[tag].dtype
+            np.testing.assert_array_equal(got, messages[tag])
+
+
+def test_a_sender_that_cannot_connect_keeps_the_stream_on_grpc(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ConnectionRefusedError("refused for the test")
+
+    monkeypatch.setattr(peer_link, "connect", refuse)
+    with ThreadCluster(2, transport_options("data-socket")) as cluster:
+        data = np.arange(500_000, dtype=np.float32)
+        results = cluster.run(lambda c: c.allreduce(data * (c.rank + 1)))
+        for c, result in zip(cluster.communicators, results):
+            np.testing.assert_array_equal(result, data * 3)
+            assert c.p2p.data_socket_peers == []
+
+
+def test_a_receiver_without_data_sockets_keeps_the_stream_on_grpc():
+    token = new_token()
+    options = [transport_options("data-socket"), transport_options("grpc")]  # rank 1 accepts none
+    servers = [WorkerServer("127.0.0.1:0", token, o) for o in options]
+    assert servers[0].data_sockets is not None and servers[1].data_sockets is None
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    comms, results = [], [None, None]
+    try:
+        for r in range(2):
+            p2p = PointToPoint(r, addresses, 1, token, options[r])
+            servers[r].set_listener(1, p2p)
+            comms.append(Communicator(p2p))
+        data = np.arange(200_000, dtype=np.float32)
+
+        def run(r):
+            results[r] = comms[r].allreduce(data * (r + 1))
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        for r in range(2):
+            np.testing.assert_array_equal(results[r], data * 3)
+        assert comms[0].p2p.data_socket_peers == []  # asked, refused
+        assert comms[1].p2p.data_socket_peers == []  # never asked
+    finally:
+        for c in comms:
+            c.close(timeout=2.0)
+        for s in servers:
+            s.stop(grace=0.2)
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+def test_data_socket_settings_are_validated_and_tls_keeps_bytes_on_grpc(tmp_path):
+    with pytest.raises(ConfigError, match="EDL_DATA_SOCKET='yes' must be 0 or 1"):
+        TransportOptions.from_env({"EDL_DATA_SOCKET": "yes"})
+    assert TransportOptions.from_env({"EDL_DATA_SOCKET": "0"}).uses_data_socket is False
+    assert TransportOptions.from_env({}).uses_data_socket is True
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).write_text("-")
+    tls = TLSConfig(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
+    assert dataclasses.replace(TransportOptions(), tls=tls).uses_data_socket is False
+
+
+def test_a_data_port_in_use_is_a_one_line_config_error(listener):
+    with pytest.raises(ConfigError, match=f"cannot listen for data sockets on 127.0.0.1:{listener.port}"):
+        DataSocketListener("127.0.0.1", listener.port, keepalive_s=2.0, max_frame=MAX_FRAME)
