@@ -31,7 +31,8 @@ class Sink:
 
     ``begin`` sees the header before any byte and may reject it by raising
     :class:`CommunicationError`; ``write`` stores a chunk at its byte offset;
-    ``result`` is what the receive returns.
+    ``result`` is what the receive returns. A sink that only stores bytes
+    may also offer ``target``: where the transport can read them directly.
     """
 
     def begin(self, src: int, header: peer_pb2.MessageHeader) -> None:
@@ -39,6 +40,11 @@ class Sink:
 
     def write(self, offset: int, data: memoryview) -> None:
         raise NotImplementedError
+
+    def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
+        """A writable view of bytes ``offset .. offset + nbytes`` of the result, or ``None``
+        when bytes must go through :meth:`write` (a reduction)."""
+        return None
 
     def result(self):
         return None
@@ -67,6 +73,9 @@ class ArraySink(Sink):
 
     def write(self, offset: int, data: memoryview) -> None:
         self._bytes[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
+        return memoryview(self._bytes[offset : offset + nbytes])
 
     def result(self) -> np.ndarray:
         return self._out
@@ -123,6 +132,18 @@ class _Entry:
                 self.buffered.append((offset, memoryview(bytes(data)) if borrowed else data))
             else:
                 self._apply(self.sink.write, offset, data)
+
+    def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
+        """Where the transport may read bytes ``offset .. offset + nbytes`` straight into
+        (the receive's own buffer), or ``None``: then they go through :meth:`write`.
+
+        Only offered while the receive is posted and pending, so bytes land in a
+        buffer whose receive has not returned (a failed receive's buffer is undefined).
+        """
+        with self.lock:
+            if self.sink is None or self.future.done():
+                return None
+            return self.sink.target(offset, nbytes)
 
     def finish(self) -> None:
         with self.lock:

@@ -231,7 +231,8 @@ class PointToPoint:
 
     @property
     def data_socket_peers(self) -> List[int]:
-        """Ranks whose stream from this rank goes over a direct data socket."""
+        """Ranks whose stream from this rank goes over a direct data socket (its frames; its
+        payloads too unless they go through shared memory)."""
         return sorted(dst for dst, stream in list(self._streams.items()) if stream.uses_data_socket)
 
     @property

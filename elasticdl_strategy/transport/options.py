@@ -104,9 +104,10 @@ class TransportOptions:
             out while the next one is being filled).
         shm_slots: slots per arena (one arena per peer a worker sends to).
         data_socket: move each stream's frames to a direct TCP connection
-            that the stream sets up and authenticates (the path between hosts,
-            and on one host without shared memory); gRPC stays the control
-            path. Not used with TLS: there every byte stays on the TLS channel.
+            that the stream sets up and authenticates: between hosts it
+            carries the payloads too; with shared memory, the small frames
+            naming slots. gRPC stays the control path. Not used with TLS:
+            there every byte stays on the TLS channel.
     """
 
     chunk_size: int = 4 * MiB

@@ -220,8 +220,8 @@ class OutboundStream:
                 yield frames.encode_data_socket_attached()
             header, payload = message.header, message.payload
             if self._attached:
-                if not self._write_to_socket(frames.encode_header(header), payload):
-                    return
+                if not self._send_on_socket(header, payload):
+                    return  # the stream broke: this message was failed with it
             elif len(payload) and self._arena_accepted:
                 piece = self._arena.slot_size
                 for offset in range(0, len(payload), piece):
@@ -246,6 +246,27 @@ class OutboundStream:
             self.bytes_sent += len(payload)
             self._in_flight = None
             settle(message.future)
+
+    def _send_on_socket(self, header: peer_pb2.MessageHeader, payload: memoryview) -> bool:
+        """Sends one message on the data socket: its payload raw after the header, or through the
+        arena's slots with only their frames on the socket. False once the stream is broken."""
+        if not (len(payload) and self._arena_accepted):
+            return self._write_to_socket(frames.encode_header(header), payload)
+        piece = self._arena.slot_size
+        for offset in range(0, len(payload), piece):
+            slot = self._free_slot()
+            if slot is None:
+                return False
+            nbytes = self._arena.fill(slot, payload[offset : offset + piece])
+            self.shared_bytes_sent += nbytes
+            if offset == 0:
+                header.shared_chunk.slot, header.shared_chunk.nbytes = slot, nbytes
+                frame = frames.encode_header(header)
+            else:
+                frame = frames.encode_shared_chunk(slot, nbytes)
+            if not self._write_to_socket(frame):
+                return False
+        return True
 
     def _write_to_socket(self, frame: bytes, payload: Optional[memoryview] = None) -> bool:
         """Writes a frame (and its payload) on the data socket; False, with the stream failed, if it broke."""
@@ -395,6 +416,10 @@ class MessageWriter(Protocol):
         keep a copy, not the view.
         """
 
+    def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
+        """A writable view where bytes ``offset .. offset + nbytes`` may be read directly
+        (they then count as written), or ``None``: use :meth:`write`."""
+
     def finish(self) -> None:
         """All bytes of the message were written."""
 
@@ -476,7 +501,7 @@ class PeerService:
             if hello.HasField("shared_memory"):
                 arena, answer.shared_memory_refusal = ReceiveArena.open(self._shared_memory_dir, hello.shared_memory)
                 answer.shared_memory_accepted = arena is not None
-            if arena is None and hello.data_socket and self._data_sockets is not None:
+            if hello.data_socket and self._data_sockets is not None:
                 ticket = self._data_sockets.expect()
                 answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket
             yield answer
@@ -535,7 +560,7 @@ class PeerService:
             if control.WhichOneof("kind") == "data_socket_attached":
                 data_socket = attach()
                 try:
-                    goodbye = PeerService._receive_from_socket(data_socket, receiver)
+                    goodbye = yield from PeerService._receive_from_socket(data_socket, receiver, arena)
                 finally:
                     data_socket.close()
                 if next(frame_iterator, None) is not None:
@@ -567,8 +592,9 @@ class PeerService:
         raise _IncompleteMessage()  # ended without a goodbye: the sender died
 
     @staticmethod
-    def _receive_from_socket(data_socket: FrameSocket, receiver: StreamReceiver) -> peer_pb2.Goodbye:
-        """Delivers the messages that arrive on ``data_socket`` until the goodbye, which it returns."""
+    def _receive_from_socket(data_socket: FrameSocket, receiver: StreamReceiver, arena: Optional[ReceiveArena]):
+        """Delivers the messages that arrive on ``data_socket`` until the goodbye, which it returns;
+        yields the replies that hand arena slots back."""
         scratch = None  # one piece of payload at a time, reused for every message of the stream
         while True:
             control = frames.decode_control(data_socket.recv_frame())
@@ -581,13 +607,24 @@ class PeerService:
             writer = receiver.on_header(header)
             if header.inline_data:
                 writer.write(0, memoryview(header.inline_data))
+            elif header.HasField("shared_chunk"):
+                offset = yield from PeerService._read_shared(arena, header.shared_chunk, writer, 0)
+                while offset < header.nbytes:
+                    control = frames.decode_control(data_socket.recv_frame())
+                    if control.WhichOneof("kind") != "shared_chunk":
+                        raise ValueError(f"a {control.WhichOneof('kind')} frame inside a message's payload")
+                    offset = yield from PeerService._read_shared(arena, control.shared_chunk, writer, offset)
             elif header.nbytes:
                 if scratch is None or len(scratch) < min(header.nbytes, _SOCKET_PIECE):
                     scratch = memoryview(np.empty(min(header.nbytes, _SOCKET_PIECE), np.uint8))
                 for offset in range(0, header.nbytes, len(scratch)):
-                    piece = scratch[: min(len(scratch), header.nbytes - offset)]
-                    data_socket.recv_into(piece)
-                    writer.write(offset, piece, borrowed=True)
+                    n = min(len(scratch), header.nbytes - offset)
+                    target = writer.target(offset, n)
+                    if target is not None:
+                        data_socket.recv_into(target)  # straight into the receive's buffer
+                        continue
+                    data_socket.recv_into(scratch[:n])
+                    writer.write(offset, scratch[:n], borrowed=True)
             writer.finish()
 
     @staticmethod

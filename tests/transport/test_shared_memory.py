@@ -102,14 +102,20 @@ def test_same_host_peers_send_payloads_through_shared_memory_with_identical_resu
         for comm in cluster.communicators:
             peers = comm.p2p.shared_memory_peers
             assert peers == sorted({(comm.rank + 1) % n}), peers  # the ring sends to the right neighbour
+            assert comm.p2p.data_socket_peers == peers  # which carries the frames naming slots
             assert comm.p2p.shared_bytes_sent == comm.p2p.bytes_sent > 0
         assert _arenas_left(tmp_path) == []  # unlinked once mapped
     with ThreadCluster(n, _options(tmp_path, shared_memory=False)) as cluster:
-        grpc_only = _allreduce_on(cluster, lambda r: inputs[r].copy())
+        without_shm = _allreduce_on(cluster, lambda r: inputs[r].copy())
         assert all(c.p2p.shared_memory_peers == [] and c.p2p.shared_bytes_sent == 0 for c in cluster.communicators)
+    with ThreadCluster(n, _options(tmp_path, data_socket=False)) as cluster:
+        on_grpc = _allreduce_on(cluster, lambda r: inputs[r].copy())
+        assert all(c.p2p.data_socket_peers == [] for c in cluster.communicators)
+        assert all(c.p2p.shared_bytes_sent == c.p2p.bytes_sent > 0 for c in cluster.communicators)
     for r in range(n):
         np.testing.assert_array_equal(shm[r], shm[0])
-        np.testing.assert_array_equal(shm[r], grpc_only[r])  # same ring order: bitwise the same sums
+        np.testing.assert_array_equal(shm[r], without_shm[r])  # same ring order: bitwise the same sums
+        np.testing.assert_array_equal(shm[r], on_grpc[r])
 
 
 def test_a_message_sent_before_its_receive_is_posted_survives_slot_reuse(tmp_path):
