@@ -1,17 +1,20 @@
-"""All-reduce benchmark: elasticdl_strategy.collective (shared memory, gRPC) vs torch.distributed (gloo) vs TensorFlow.
+"""All-reduce benchmark: elasticdl_strategy.collective (shared memory, data socket, gRPC) vs torch.distributed
+(gloo) vs TensorFlow.
 
 Usage::
 
     python benchmarks/allreduce.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--workers 2,4] [--repeats 20]
-                                   [--frameworks shm,grpc,gloo,tf] [--json out.json]
+                                   [--frameworks shm,socket,grpc,gloo,tf] [--json out.json]
                                    [--profile PREFIX [--profile-size 64MiB] [--profile-workers 2]]
 
 Frameworks:
-    shm   ``collective.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
-          with ``EDL_SHARED_MEMORY=1``: payloads between same-host peers go through the shared-memory
-          arena, gRPC only signals. Checked: from the first size >= 256 KiB on, rank 0's
-          ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory not used" otherwise)
-    grpc  the same with ``EDL_SHARED_MEMORY=0``: every payload over gRPC (``shared_memory_peers`` must be empty)
+    shm     ``collective.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
+            with the defaults: payloads between same-host peers go through the shared-memory arena,
+            frames over the data socket. Checked: from the first size >= 256 KiB on, rank 0's
+            ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory not used" otherwise)
+    socket  the same with ``EDL_SHARED_MEMORY=0``: payloads on the direct data socket, the path
+            between hosts (``data_socket_peers`` must be non-empty, ``shared_memory_peers`` empty)
+    grpc    ``EDL_SHARED_MEMORY=0 EDL_DATA_SOCKET=0``: every byte over gRPC (both lists empty)
     gloo  ``torch.distributed.all_reduce`` on the gloo backend (skipped when torch is not installed)
     tf    ``tf.distribute.MultiWorkerMirroredStrategy`` with the RING implementation, a replica-context
           ``all_reduce`` inside ``strategy.run`` of a ``tf.function`` (out-of-place: TF has no in-place form)
@@ -30,7 +33,7 @@ stopped after ``--timeout`` seconds, and as soon as one size takes longer than
 
 Reported per cell: median and min time, algbw = bytes / median and
 busbw = algbw * 2(N-1)/N (the bytes each rank moves in a ring all-reduce, as in
-nccl-tests). The ratio lines are other_median / ours_median for ours = shm and grpc:
+nccl-tests). The ratio lines are other_median / ours_median for each of our paths:
 above 1 means ours is faster.
 
 Memory (rank 0 only): before each size the previous buffer is released, the kernel's
@@ -41,7 +44,7 @@ transport buffers and mapped shared memory that was touched. Where the reset fai
 peak is ``ru_maxrss``, the peak since the process started. Printed as "peak MiB" and
 "peak/T" (peak over the tensor bytes).
 
-Profile (``--profile PREFIX``): after the table, one extra run per framework shm and grpc
+Profile (``--profile PREFIX``): after the table, one extra run per path of ours (shm, socket, grpc) that was run
 with only ``--profile-size``, ``--profile-repeats`` timed calls and ``--profile-workers``
 workers, each worker under ``py-spy record --native --threads --rate 200 --format raw``;
 the raw profiles are written to ``PREFIX.<framework>.rank<R>.txt`` and rank 0's 15 functions
@@ -75,12 +78,18 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
-FRAMEWORKS = ("shm", "grpc", "gloo", "tf")
-OURS = ("shm", "grpc")  # our two data paths; the ratio lines compare these with the others
+FRAMEWORKS = ("shm", "socket", "grpc", "gloo", "tf")
+OURS = ("shm", "socket", "grpc")  # our data paths; the ratio lines compare these with the others
+# What each of our data paths sets in the workers' environment.
+OUR_PATH_ENV = {
+    "shm": {"EDL_SHARED_MEMORY": "1", "EDL_DATA_SOCKET": "1"},
+    "socket": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "1"},
+    "grpc": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "0"},
+}
 DEFAULT_SIZES = "4KiB,256KiB,4MiB,64MiB,256MiB"
 DEFAULT_WORKERS = "2,4"
 LARGE_BYTES = 64 << 20  # sizes from here on get fewer repeats
-SHM_CHECK_BYTES = 256 << 10  # from the first size this large on, the shm path must be in use
+SHM_CHECK_BYTES = 256 << 10  # from the first size this large on, the path must be in use
 RUN_TIMEOUT_S = 600.0  # per framework and worker count
 CELL_TIMEOUT_S = 240.0  # per size within a run
 PROFILE_TOP = 15
@@ -171,16 +180,16 @@ class Backend(Protocol):
 
 
 class OursBackend:
-    """``collective.allreduce``; ``shared_memory`` says which data path ``EDL_SHARED_MEMORY`` selected."""
+    """``collective.allreduce`` on the data ``path`` (a key of OUR_PATH_ENV) that the environment selected."""
 
-    def __init__(self, shared_memory: bool) -> None:
+    def __init__(self, path: str) -> None:
         from elasticdl_strategy import collective
 
-        flag = os.environ.get("EDL_SHARED_MEMORY")
-        if flag != ("1" if shared_memory else "0"):
-            raise RuntimeError(f"EDL_SHARED_MEMORY={flag!r} in a {'shm' if shared_memory else 'grpc'} worker")
+        for var, value in OUR_PATH_ENV[path].items():
+            if os.environ.get(var) != value:
+                raise RuntimeError(f"{var}={os.environ.get(var)!r} in a {path} worker")
         self._c = collective
-        self._shared_memory = shared_memory
+        self._path = path
         self._large_seen = False
         collective.init()
         self.rank, self.size = collective.rank(), collective.size()
@@ -207,11 +216,18 @@ class OursBackend:
     def check_transport(self, nbytes: int) -> Optional[str]:
         if self.size < 2:
             return None  # nothing is sent
-        peers = self._c.communicator().p2p.shared_memory_peers
-        if not self._shared_memory:
-            return f"shared memory used with EDL_SHARED_MEMORY=0 (to ranks {peers})" if peers else None
+        p2p = self._c.communicator().p2p
+        shm, sockets = p2p.shared_memory_peers, p2p.data_socket_peers
+        if self._path != "shm" and shm:
+            return f"shared memory used by the {self._path} path (to ranks {shm})"
+        if self._path == "grpc" and sockets:
+            return f"data sockets used with EDL_DATA_SOCKET=0 (to ranks {sockets})"
         self._large_seen = self._large_seen or nbytes >= SHM_CHECK_BYTES
-        return "shared memory not used (shared_memory_peers is empty)" if self._large_seen and not peers else None
+        if self._large_seen and self._path == "shm" and not shm:
+            return "shared memory not used (shared_memory_peers is empty)"
+        if self._large_seen and self._path == "socket" and not sockets:
+            return "data sockets not used (data_socket_peers is empty)"
+        return None
 
 
 class GlooBackend:
@@ -305,8 +321,9 @@ class TFBackend:
 
 
 BACKENDS: Dict[str, Callable[[], Backend]] = {
-    "shm": lambda: OursBackend(shared_memory=True),
-    "grpc": lambda: OursBackend(shared_memory=False),
+    "shm": lambda: OursBackend("shm"),
+    "socket": lambda: OursBackend("socket"),
+    "grpc": lambda: OursBackend("grpc"),
     "gloo": GlooBackend,
     "tf": TFBackend,
 }
@@ -473,12 +490,12 @@ def profiled(argv: List[str], prefix: str) -> List[str]:
 def worker_commands(
     framework: str, workers: int, worker_args: List[str], profile_prefix: Optional[str] = None
 ) -> List[Tuple[List[str], Dict[str, str]]]:
-    """(argv, env) of each process to start for one run; with ``profile_prefix`` (shm and grpc only)
+    """(argv, env) of each process to start for one run; with ``profile_prefix`` (our paths only)
     every worker runs under py-spy."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
     base = dict(os.environ, PYTHONUNBUFFERED="1")
     if framework in OURS:
-        env = dict(base, EDL_SHARED_MEMORY="1" if framework == "shm" else "0")
+        env = dict(base, **OUR_PATH_ENV[framework])
         command = profiled(me, profile_prefix) if profile_prefix else me
         return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *command], env)]
     if framework == "gloo":
@@ -749,8 +766,6 @@ def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], 
     if any(c.memory_source == "ru_maxrss" for c in cells):
         print("(peak MiB marked from ru_maxrss: the high-water mark could not be reset; it is the peak since start)")
     pairs = [(ours, other) for ours in OURS if ours in frameworks for other in frameworks if other not in OURS]
-    if "shm" in frameworks and "grpc" in frameworks:
-        pairs.append(("shm", "grpc"))
     if not pairs:
         return
     print(
@@ -798,7 +813,7 @@ def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> No
 
 def available_frameworks(requested: Sequence[str]) -> List[str]:
     """Drops frameworks whose package is not installed, with a note."""
-    modules = {"shm": "elasticdl_strategy", "grpc": "elasticdl_strategy", "gloo": "torch", "tf": "tensorflow"}
+    modules = {"gloo": "torch", "tf": "tensorflow", **{fw: "elasticdl_strategy" for fw in OURS}}
     chosen = []
     for fw in requested:
         if importlib.util.find_spec(modules[fw]) is None:
@@ -827,7 +842,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--profile", metavar="PREFIX",
-        help="after the table, profile shm and grpc under py-spy: PREFIX.<framework>.rank<R>.txt (raw format)",
+        help="after the table, profile our paths under py-spy: PREFIX.<framework>.rank<R>.txt (raw format)",
     )  # fmt: skip
     p.add_argument("--profile-size", type=parse_size, default=parse_size("64MiB"), help="default 64MiB")
     p.add_argument("--profile-workers", type=int, default=2, help="default 2")

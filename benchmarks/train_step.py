@@ -10,6 +10,8 @@ Setups (global batch B in every one):
     single  one process, no strategy, batch B
     tf      ``tf.distribute.MultiWorkerMirroredStrategy`` (RING, CPU), N local workers from TF_CONFIG, B/N each
     ours    ``elasticdl_strategy.AllReduceStrategy``, N workers started by ``python -m elasticdl_strategy run``
+    ours-socket, ours-grpc  the same without shared memory (payloads on the data socket, the path
+            between hosts), and with every byte over gRPC
 
 Models (float32, synthetic data): ``mlp`` Dense 1024->2048->1024->10 (4.2 M parameters) and
 ``cnn`` two 3x3 convolutions (32, 64 filters, each followed by 2x2 max-pooling), Dense 128, Dense 10
@@ -78,8 +80,15 @@ from allreduce import (  # noqa: E402  (the process handling of the all-reduce b
 MIB = 1 << 20
 
 MODELS = ("mlp", "cnn")
-FRAMEWORKS = ("single", "tf", "ours", "ours-grpc")
-OURS = ("ours", "ours-grpc")  # ours-grpc: EDL_SHARED_MEMORY=0, every byte over gRPC
+FRAMEWORKS = ("single", "tf", "ours", "ours-socket", "ours-grpc")
+OURS = ("ours", "ours-socket", "ours-grpc")
+# ours: the defaults (shared memory on one host); ours-socket: the data socket, the path between hosts;
+# ours-grpc: every byte over gRPC.
+OUR_PATH_ENV = {
+    "ours": {"EDL_SHARED_MEMORY": "1", "EDL_DATA_SOCKET": "1"},
+    "ours-socket": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "1"},
+    "ours-grpc": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "0"},
+}
 MODEL_TITLES = {
     "mlp": "MLP 1024-2048-1024-10 on 1024-dim inputs",
     "cnn": "CNN conv3x3(32)-pool-conv3x3(64)-pool-dense(128)-dense(10) on 32x32x3 inputs",
@@ -122,7 +131,8 @@ def setup_title(framework: str, workers: int) -> str:
         "single": "single process",
         "tf": f"TF MultiWorkerMirroredStrategy, N={workers}",
         "ours": f"ours (AllReduceStrategy), N={workers}",
-        "ours-grpc": f"ours, gRPC only (no shared memory), N={workers}",
+        "ours-socket": f"ours, data socket (no shared memory), N={workers}",
+        "ours-grpc": f"ours, gRPC only (no shared memory, no data socket), N={workers}",
     }[framework]
 
 
@@ -414,7 +424,7 @@ def worker_commands(framework: str, workers: int, worker_args: List[str]) -> Lis
     if framework == "single":
         return [(me, base)]
     if framework in OURS:
-        base["EDL_SHARED_MEMORY"] = "0" if framework == "ours-grpc" else "1"
+        base.update(OUR_PATH_ENV[framework])
         return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *me], base)]
     # The same per-worker thread counts as our launcher gives its workers (cores / N), for a fair comparison.
     threads = str(max(1, (os.cpu_count() or 1) // workers))
@@ -569,9 +579,7 @@ def write_json(path: str, args: argparse.Namespace, results: Sequence[Result]) -
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", type=_choice_list(MODELS), default=list(MODELS), help="default mlp,cnn")
-    p.add_argument(
-        "--frameworks", type=_choice_list(FRAMEWORKS), default=list(FRAMEWORKS), help="default single,tf,ours,ours-grpc"
-    )
+    p.add_argument("--frameworks", type=_choice_list(FRAMEWORKS), default=list(FRAMEWORKS), help="default: all of them")
     p.add_argument("--batch", type=int, default=256, help="global batch size (default 256)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per window (default 30)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows; the median is reported (default 3)")

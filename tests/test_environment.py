@@ -32,6 +32,7 @@ def test_worker_id_comes_from_tf_config_when_an_operator_set_it():
         ({"TF_CONFIG": "{not json"}, "TF_CONFIG has no task"),
         ({"EDL_WORKER_ID": "w", "EDL_PEER_PORT": "http"}, "EDL_PEER_PORT='http'"),
         ({"EDL_WORKER_ID": "w", "EDL_PEER_PORT": "70000"}, "EDL_PEER_PORT=70000"),
+        ({"EDL_WORKER_ID": "w", "EDL_DATA_PORT": "-1"}, "EDL_DATA_PORT=-1"),
         ({"EDL_WORKER_ID": "w", "EDL_RENDEZVOUS_TIMEOUT": "-1"}, "EDL_RENDEZVOUS_TIMEOUT=-1"),
     ],
 )
@@ -40,5 +41,6 @@ def test_bad_environments_name_the_variable(extra, message):
         WorkerEnvironment.from_env({**BASE, **extra})
 
 
-def test_peer_port_is_read():
-    assert WorkerEnvironment.from_env({**BASE, "EDL_WORKER_ID": "w", "EDL_PEER_PORT": "50052"}).peer_port == 50052
+def test_peer_and_data_ports_are_read():
+    env = WorkerEnvironment.from_env({**BASE, "EDL_WORKER_ID": "w", "EDL_PEER_PORT": "50052", "EDL_DATA_PORT": "50053"})
+    assert (env.peer_port, env.data_port) == (50052, 50053)

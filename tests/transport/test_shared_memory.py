@@ -96,7 +96,8 @@ def _allreduce_on(cluster, array_for_rank):
 @pytest.mark.parametrize("n", [2, 3])
 def test_same_host_peers_send_payloads_through_shared_memory_with_identical_results(tmp_path, n):
     rng = np.random.default_rng(n)
-    inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(n)]  # several slots, uneven
+    # Segments of 2-3 MiB: above the size that goes raw on the data socket; many slots, uneven.
+    inputs = [rng.standard_normal(1_500_001).astype(np.float32) for _ in range(n)]
     with ThreadCluster(n, _options(tmp_path)) as cluster:
         shm = _allreduce_on(cluster, lambda r: inputs[r].copy())
         for comm in cluster.communicators:
@@ -118,10 +119,23 @@ def test_same_host_peers_send_payloads_through_shared_memory_with_identical_resu
         np.testing.assert_array_equal(shm[r], on_grpc[r])
 
 
+def test_small_payloads_go_raw_on_the_data_socket_and_large_ones_through_the_arena(tmp_path):
+    with ThreadCluster(2, _options(tmp_path)) as cluster:
+        sender, receiver = (c.p2p for c in cluster.communicators)
+        small, large = np.arange(1 << 18, dtype=np.float32), np.arange((1 << 19) + 1, dtype=np.float32)
+        sender.isend(small, dst=1).wait(timeout=20)
+        np.testing.assert_array_equal(receiver.recv(src=0, timeout=20), small)
+        assert sender.shared_memory_peers == [1] and sender.shared_bytes_sent == 0  # 1 MiB: raw on the socket
+        sender.isend(large, dst=1).wait(timeout=20)
+        np.testing.assert_array_equal(receiver.recv(src=0, timeout=20), large)
+        assert sender.shared_bytes_sent == large.nbytes
+
+
 def test_a_message_sent_before_its_receive_is_posted_survives_slot_reuse(tmp_path):
     with ThreadCluster(2, _options(tmp_path)) as cluster:
         sender, receiver = (c.p2p for c in cluster.communicators)
-        messages = [np.full(3 * SLOT // 8, i, np.float64) for i in range(6)]  # 6 x 3 slots through 4 slots
+        # 6 x 19 slots through 4 slots (each message above the size that goes raw on the data socket)
+        messages = [np.full(((1 << 20) + 3 * SLOT) // 8, i, np.float64) for i in range(6)]
         for i, m in enumerate(messages):
             sender.isend(m, dst=1, tag=i).wait(timeout=20)  # all buffered at the receiver: none posted
         assert sender.shared_memory_peers == [1] and sender.shared_bytes_sent == sum(m.nbytes for m in messages)

@@ -105,6 +105,9 @@ def test_worker_pods_are_labelled_owned_probed_and_sized():
     assert env["EDL_WORKER_ID"]["value"] == "worker-7" and env["LOG_LEVEL"]["value"] == "info"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": 50052}
+    # Fixed ports, declared: the peer server and the direct data sockets beside it.
+    assert (env["EDL_PEER_PORT"]["value"], env["EDL_DATA_PORT"]["value"]) == ("50052", "50053")
+    assert {p["containerPort"] for p in container["ports"]} == {50052, 50053}
     assert container["resources"]["limits"] == {"cpu": "2", "memory": "4Gi", "nvidia.com/gpu": "1"}
     assert spec["terminationGracePeriodSeconds"] == 60 and spec["restartPolicy"] == "Never"
     assert spec["priorityClassName"] == "high-priority"
