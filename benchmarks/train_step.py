@@ -131,8 +131,8 @@ def setup_title(framework: str, workers: int) -> str:
         "single": "single process",
         "tf": f"TF MultiWorkerMirroredStrategy, N={workers}",
         "ours": f"ours (AllReduceStrategy), N={workers}",
-        "ours-socket": f"ours, data socket (no shared memory), N={workers}",
-        "ours-grpc": f"ours, gRPC only (no shared memory, no data socket), N={workers}",
+        "ours-socket": f"ours, data socket only, N={workers}",
+        "ours-grpc": f"ours, gRPC only, N={workers}",
     }[framework]
 
 

@@ -3,12 +3,14 @@
 
 A sender keeps one ``Transfer`` stream open per peer for the life of a
 communicator. Messages are queued without blocking and written in order by
-gRPC's request-iterator thread, chunk by chunk, straight from the caller's
-array — or, once the peer has mapped the sender's shared-memory arena
-(same host, see :mod:`~elasticdl_strategy.transport.shared_memory`), copied
-into the arena's slots with only a small frame per chunk on the stream, or,
-between hosts, written to a direct data socket that the stream set up
-(:mod:`~elasticdl_strategy.transport.data_socket`). The receiving side parses frames and hands headers and chunk payloads to a
+gRPC's request-iterator thread. Where the bytes go is settled when the stream
+opens: once the peer has answered with a direct data socket
+(:mod:`~elasticdl_strategy.transport.data_socket`), every frame goes there and
+payloads follow raw; large payloads go through the sender's shared-memory arena
+instead when the peer has mapped it (same host, see
+:mod:`~elasticdl_strategy.transport.shared_memory`), with only a small frame per
+slot; without a data socket, frames and chunks stay on the gRPC stream. The
+receiving side parses frames and hands headers and payloads to a
 :class:`StreamListener`; what is done with them (matching, copying, reducing)
 belongs to the collective layer.
 """
@@ -89,8 +91,8 @@ class OutboundStream:
             stream ends other than through :meth:`close`.
         arena: a shared-memory arena to offer the peer; payloads go through
             it once the peer has mapped it, over gRPC until then or if it refuses.
-        data_host: the peer's host, to ask for a direct data socket (used when
-            no arena is mapped); ``None`` keeps every frame on gRPC.
+        data_host: the peer's host, to ask for a direct data socket for the
+            stream's frames; ``None`` keeps every frame on gRPC.
         options: timeouts and limits of the data socket.
     """
 
