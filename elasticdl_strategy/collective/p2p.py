@@ -382,7 +382,7 @@ class PointToPoint:
                         dst,
                         lambda reason: self.peer_failed(dst, reason),
                         self._arena(),
-                        data_host=host_of(self.addresses[dst]) if self.options.uses_data_socket else None,
+                        data_host=host_of(self.addresses[dst]) if self.options.data_socket else None,
                         options=self.options,
                     )
                     self._streams[dst] = stream

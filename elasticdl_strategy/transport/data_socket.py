@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import threading
 from typing import Dict, Optional, Tuple
@@ -126,15 +127,27 @@ class FrameSocket:
         self._sock.close()
 
 
-def connect(host: str, port: int, ticket: bytes, timeout: float, keepalive_s: float, max_frame: int) -> FrameSocket:
-    """Connects to a receiver's :class:`DataSocketListener` and presents ``ticket``.
+def connect(
+    host: str,
+    port: int,
+    ticket: bytes,
+    timeout: float,
+    keepalive_s: float,
+    max_frame: int,
+    tls: Optional[ssl.SSLContext] = None,
+    server_name: Optional[str] = None,
+) -> FrameSocket:
+    """Connects to a receiver's :class:`DataSocketListener` (over ``tls`` when given,
+    verifying ``server_name`` or else ``host``) and presents ``ticket``.
 
     Raises:
-        OSError: no connection within ``timeout``.
+        OSError: no connection within ``timeout`` (ssl.SSLError: the TLS handshake failed).
     """
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
         _tune(sock, keepalive_s)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=server_name or host)
         sock.sendall(ticket)
     except OSError:
         sock.close()
@@ -149,8 +162,8 @@ def host_of(address: str) -> str:
 
 
 class DataSocketListener:
-    """Accepts data sockets on ``host:port`` (port 0: any free port) and hands each
-    to the stream whose ticket it presents.
+    """Accepts data sockets on ``host:port`` (port 0: any free port), over ``tls``
+    when given, and hands each to the stream whose ticket it presents.
 
     Example::
 
@@ -162,8 +175,17 @@ class DataSocketListener:
         ConfigError: the address cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, keepalive_s: float, max_frame: int, ticket_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        keepalive_s: float,
+        max_frame: int,
+        ticket_timeout_s: float = 5.0,
+        tls: Optional[ssl.SSLContext] = None,
+    ):
         host = host or "0.0.0.0"
+        self._tls = tls
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._keepalive_s = keepalive_s
         self._max_frame = max_frame
@@ -239,6 +261,8 @@ class DataSocketListener:
         """Reads the ticket (bounded in time) and hands the connection over, or closes it."""
         try:
             conn.settimeout(self._ticket_timeout_s)
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(conn, server_side=True)  # the handshake, within the timeout
             ticket = b""
             while len(ticket) < TICKET_BYTES:
                 part = conn.recv(TICKET_BYTES - len(ticket))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from typing import List, Mapping, Optional, Tuple
 
 from elasticdl_strategy.errors import ConfigError
@@ -63,6 +64,28 @@ class TLSConfig:
             certificate_chain=self._read(self.cert_file),
         )
 
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """The same TLS for direct data sockets, accepting side."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.num_tickets = 0  # no session resumption: the sender never reads from its data socket
+        context.load_cert_chain(self.cert_file, self.key_file)
+        if self.ca_file:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(self.ca_file)
+        return context
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """The same TLS for direct data sockets, connecting side (verifies the server's name)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert_file, self.key_file)
+        if self.ca_file:
+            context.load_verify_locations(self.ca_file)
+        else:
+            context.load_default_certs()
+        return context
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional["TLSConfig"]:
         """Reads ``EDL_TLS_CERT``, ``EDL_TLS_KEY``, ``EDL_TLS_CA``, ``EDL_TLS_SERVER_NAME``."""
@@ -106,8 +129,8 @@ class TransportOptions:
         data_socket: move each stream's frames to a direct TCP connection
             that the stream sets up and authenticates: between hosts it
             carries the payloads too; with shared memory, the small frames
-            naming slots. gRPC stays the control path. Not used with TLS:
-            there every byte stays on the TLS channel.
+            naming slots. gRPC stays the control path. With ``tls``, the
+            data socket uses the same certificates.
     """
 
     chunk_size: int = 4 * MiB
@@ -144,11 +167,6 @@ class TransportOptions:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
-
-    @property
-    def uses_data_socket(self) -> bool:
-        """Whether streams ask for direct data sockets (``data_socket`` and no TLS)."""
-        return self.data_socket and self.tls is None
 
     @property
     def message_limit(self) -> int:

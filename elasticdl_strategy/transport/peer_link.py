@@ -363,6 +363,8 @@ class OutboundStream:
                 options.connect_timeout_s,
                 options.keepalive_s,
                 options.message_limit,
+                tls=options.tls.client_ssl_context() if options.tls is not None else None,
+                server_name=options.tls.server_name if options.tls is not None else None,
             )
         except OSError as e:
             logger.warning(

@@ -38,9 +38,14 @@ class WorkerServer:
         self._version = -1
         self.health = health.HealthServicer()
         self.data_sockets: Optional[DataSocketListener] = None
-        if options.uses_data_socket:
+        if options.data_socket:
             self.data_sockets = DataSocketListener(
-                host_of(bind), data_port, options.keepalive_s, options.message_limit, options.connect_timeout_s
+                host_of(bind),
+                data_port,
+                options.keepalive_s,
+                options.message_limit,
+                options.connect_timeout_s,
+                tls=options.tls.server_ssl_context() if options.tls is not None else None,
             )
         service = PeerService(
             self,

@@ -1,6 +1,5 @@
 """Direct data sockets: tickets, framing, moving a stream off gRPC, falling back to it."""
 
-import dataclasses
 import secrets
 import socket
 import threading
@@ -15,7 +14,7 @@ from elasticdl_strategy.errors import ConfigError, PeerFailureError
 from elasticdl_strategy.transport import peer_link
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
-from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
+from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster, transport_options
@@ -200,15 +199,11 @@ def test_a_receiver_without_data_sockets_keeps_the_stream_on_grpc():
 # ---- settings ---------------------------------------------------------------------------------
 
 
-def test_data_socket_settings_are_validated_and_tls_keeps_bytes_on_grpc(tmp_path):
+def test_data_socket_settings_are_validated():
     with pytest.raises(ConfigError, match="EDL_DATA_SOCKET='yes' must be 0 or 1"):
         TransportOptions.from_env({"EDL_DATA_SOCKET": "yes"})
-    assert TransportOptions.from_env({"EDL_DATA_SOCKET": "0"}).uses_data_socket is False
-    assert TransportOptions.from_env({}).uses_data_socket is True
-    for name in ("cert.pem", "key.pem"):
-        (tmp_path / name).write_text("-")
-    tls = TLSConfig(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
-    assert dataclasses.replace(TransportOptions(), tls=tls).uses_data_socket is False
+    assert TransportOptions.from_env({"EDL_DATA_SOCKET": "0"}).data_socket is False
+    assert TransportOptions.from_env({}).data_socket is True
 
 
 def test_a_data_port_in_use_is_a_one_line_config_error(listener):

@@ -1,10 +1,15 @@
-"""Optional TLS: a ring over mutually authenticated TLS works; a plaintext client cannot connect."""
+"""Optional TLS: a ring over mutually authenticated TLS works, data sockets included; a plaintext
+client, or one without a certificate, cannot connect."""
+
+import socket
+import ssl
 
 import grpc
 import numpy as np
 import pytest
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.data_socket import DataSocketClosed, DataSocketListener, connect
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.cluster import ThreadCluster
@@ -16,9 +21,42 @@ def test_ring_over_mutual_tls(tls_files):
         results = cluster.run(lambda c: c.allreduce(np.full(100_000, c.rank, np.float32)))
         for r in results:
             np.testing.assert_array_equal(r, np.full(100_000, 3, np.float32))
+        for c in cluster.communicators:  # the payloads went over TLS data sockets (to every peer: direct)
+            assert c.p2p.data_socket_peers == [r for r in range(3) if r != c.rank]
         with grpc.insecure_channel(cluster.addresses[0]) as channel:
             with pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+
+
+def test_a_data_socket_without_tls_or_without_a_client_certificate_is_refused(tls_files):
+    listener = DataSocketListener(
+        "127.0.0.1", 0, 2.0, 1 << 20, ticket_timeout_s=2.0, tls=tls_files.server_ssl_context()
+    )
+    try:
+        ticket = listener.expect()
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as plain:
+            plain.sendall(ticket)  # the right ticket, but in the clear
+            plain.settimeout(5.0)
+            try:  # at most a TLS alert, then the server closes (a timeout here fails the test)
+                while plain.recv(1024):
+                    pass
+            except ConnectionResetError:
+                pass
+        anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        anonymous.load_verify_locations(tls_files.ca_file)
+        with pytest.raises((OSError, DataSocketClosed)):  # TLS 1.3: the refusal shows on the first read
+            connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, 1 << 20, tls=anonymous).recv_frame()
+        with pytest.raises(TimeoutError):
+            listener.claim(ticket, timeout=0.5)  # neither got through
+        ticket = listener.expect()  # the claim above used up the first one
+        mutual = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, 1 << 20, tls=tls_files.client_ssl_context())
+        received = listener.claim(ticket, timeout=5.0)
+        mutual.send_frame(b"over tls")
+        assert received.recv_frame() == b"over tls"
+        mutual.close()
+        received.close()
+    finally:
+        listener.close()
 
 
 def test_missing_tls_file_is_a_config_error(tmp_path):
