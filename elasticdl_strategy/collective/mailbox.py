@@ -230,13 +230,17 @@ class Mailbox:
                 self._next_sequence[seq_key] += 1
             key = (src, channel, tag, sequence)
             entry = self._unmatched.pop(key, None)
+            channel_error = self._failed_channels.get(channel)
             if entry is None:
                 entry = _Entry(src, channel, self._count)
-                error = self._failed_channels.get(channel) or self._failed_sources.get(src)
+                error = channel_error or self._failed_sources.get(src)
                 if error is not None:
                     entry.fail(error())
                     return entry.future, key
                 self._posted[key] = entry
+            elif channel_error is not None:  # arrived, but the channel failed (an abort) before it was asked for
+                entry.fail(channel_error())
+                return entry.future, key
         entry.attach(sink)
         if entry.future.done():
             with self._lock:

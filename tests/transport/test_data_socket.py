@@ -8,14 +8,12 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.collective.communicator import Communicator
-from elasticdl_strategy.collective.mailbox import ArraySink, Mailbox, ReduceSink
 from elasticdl_strategy.collective.p2p import PointToPoint
-from elasticdl_strategy.errors import ConfigError, PeerFailureError
+from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport import peer_link
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
 from elasticdl_strategy.transport.options import TransportOptions
-from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster, transport_options
 
@@ -209,20 +207,3 @@ def test_data_socket_settings_are_validated():
 def test_a_data_port_in_use_is_a_one_line_config_error(listener):
     with pytest.raises(ConfigError, match=f"cannot listen for data sockets on 127.0.0.1:{listener.port}"):
         DataSocketListener("127.0.0.1", listener.port, keepalive_s=2.0, max_frame=MAX_FRAME)
-
-
-def test_bytes_go_straight_into_a_pending_receive_buffer_but_never_after_it_failed():
-    mailbox = Mailbox(rank=0)
-    out = np.zeros(8, np.uint8)
-    mailbox.post(1, 0, 0, ArraySink(0, out))
-    entry = mailbox.deliver(1, peer_pb2.MessageHeader(channel=0, tag=0, sequence=0, nbytes=8, dtype="uint8", shape=[8]))
-    entry.target(2, 4)[:] = b"abcd"
-    assert bytes(out) == b"\0\0abcd\0\0"
-    entry.fail(PeerFailureError("gone", peer_rank=1, rank=0))
-    assert entry.target(0, 8) is None
-    # A reduction needs every byte through write(); so does a message with no receive yet.
-    acc = np.zeros(2, np.float32)
-    mailbox.post(1, 0, 1, ReduceSink(0, acc, np.add))
-    reducing = mailbox.deliver(1, peer_pb2.MessageHeader(channel=0, tag=1, sequence=0, nbytes=8))
-    early = mailbox.deliver(1, peer_pb2.MessageHeader(channel=0, tag=2, sequence=0, nbytes=8))
-    assert reducing.target(0, 8) is None and early.target(0, 8) is None
