@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent import futures
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Union
 
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import PointToPoint
@@ -24,7 +24,8 @@ def transport_options(transport: str, **kwargs) -> TransportOptions:
 
 
 class ThreadCluster:
-    """``n`` communicators in this process, each with its own peer server.
+    """``n`` communicators in this process, each with its own peer server; ``options``
+    may be one per rank (e.g. ranks that cannot see each other's shared memory).
 
     Example::
 
@@ -32,15 +33,21 @@ class ThreadCluster:
             results = cluster.run(lambda comm: comm.allreduce(np.ones(4)))
     """
 
-    def __init__(self, n: int, options: Optional[TransportOptions] = None, token: Optional[str] = None):
+    def __init__(
+        self,
+        n: int,
+        options: Union[None, TransportOptions, Sequence[TransportOptions]] = None,
+        token: Optional[str] = None,
+    ):
         self.token = token or new_token()
-        self.options = options or TransportOptions(timeout_s=20.0, connect_timeout_s=5.0)
-        self.servers = [WorkerServer("127.0.0.1:0", self.token, self.options) for _ in range(n)]
+        options = options or TransportOptions(timeout_s=20.0, connect_timeout_s=5.0)
+        per_rank = list(options) if isinstance(options, (list, tuple)) else [options] * n
+        self.servers = [WorkerServer("127.0.0.1:0", self.token, o) for o in per_rank]
         self.addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
         self.communicators: List[Communicator] = []
         for rank, server in enumerate(self.servers):
             p2p = PointToPoint(
-                rank, self.addresses, 1, self.token, self.options, worker_id=f"w{rank}",
+                rank, self.addresses, 1, self.token, per_rank[rank], worker_id=f"w{rank}",
                 worker_ids=[f"w{i}" for i in range(n)],
             )  # fmt: skip
             server.set_listener(1, p2p)

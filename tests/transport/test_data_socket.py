@@ -2,19 +2,14 @@
 
 import secrets
 import socket
-import threading
 
 import numpy as np
 import pytest
 
-from elasticdl_strategy.collective.communicator import Communicator
-from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport import peer_link
-from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
 from elasticdl_strategy.transport.options import TransportOptions
-from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster, transport_options
 
 MAX_FRAME = 1 << 20
@@ -162,36 +157,14 @@ def test_a_sender_that_cannot_connect_keeps_the_stream_on_grpc(monkeypatch):
 
 
 def test_a_receiver_without_data_sockets_keeps_the_stream_on_grpc():
-    token = new_token()
     options = [transport_options("data-socket"), transport_options("grpc")]  # rank 1 accepts none
-    servers = [WorkerServer("127.0.0.1:0", token, o) for o in options]
-    assert servers[0].data_sockets is not None and servers[1].data_sockets is None
-    addresses = [f"127.0.0.1:{s.port}" for s in servers]
-    comms, results = [], [None, None]
-    try:
-        for r in range(2):
-            p2p = PointToPoint(r, addresses, 1, token, options[r])
-            servers[r].set_listener(1, p2p)
-            comms.append(Communicator(p2p))
+    with ThreadCluster(2, options) as cluster:
+        assert cluster.servers[0].data_sockets is not None and cluster.servers[1].data_sockets is None
         data = np.arange(200_000, dtype=np.float32)
-
-        def run(r):
-            results[r] = comms[r].allreduce(data * (r + 1))
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        for r in range(2):
-            np.testing.assert_array_equal(results[r], data * 3)
-        assert comms[0].p2p.data_socket_peers == []  # asked, refused
-        assert comms[1].p2p.data_socket_peers == []  # never asked
-    finally:
-        for c in comms:
-            c.close(timeout=2.0)
-        for s in servers:
-            s.stop(grace=0.2)
+        for result in cluster.run(lambda c: c.allreduce(data * (c.rank + 1))):
+            np.testing.assert_array_equal(result, data * 3)
+        assert cluster.communicators[0].p2p.data_socket_peers == []  # asked, refused
+        assert cluster.communicators[1].p2p.data_socket_peers == []  # never asked
 
 
 # ---- settings ---------------------------------------------------------------------------------

@@ -1,19 +1,14 @@
 """The same-host shared-memory path: arenas, negotiation, fallback to gRPC, identical results."""
 
 import os
-import threading
 
 import numpy as np
 import pytest
 
-from elasticdl_strategy.collective.communicator import Communicator
-from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import NAME_PREFIX, ReceiveArena, SendArena
-from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster
 
 SLOT = 64 << 10
@@ -145,38 +140,14 @@ def test_a_message_sent_before_its_receive_is_posted_survives_slot_reuse(tmp_pat
 
 def test_peers_that_cannot_see_each_others_arena_use_the_data_socket(tmp_path):
     # Each rank has its own shared-memory directory, as on two hosts: offers are refused.
-    token = new_token()
     options = [_options(tmp_path / f"host{r}") for r in range(2)]
     for o in options:
         os.makedirs(o.shared_memory_dir)
-    servers = [WorkerServer("127.0.0.1:0", token, o) for o in options]
-    addresses = [f"127.0.0.1:{s.port}" for s in servers]
-    comms = []
-    try:
-        for r in range(2):
-            p2p = PointToPoint(r, addresses, 1, token, options[r])
-            servers[r].set_listener(1, p2p)
-            comms.append(Communicator(p2p))
+    with ThreadCluster(2, options) as cluster:
         data = np.arange(200_000, dtype=np.float32)
-        results = [None, None]
-
-        def run(r):
-            results[r] = comms[r].allreduce(data * (r + 1))
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        for r in range(2):
-            np.testing.assert_array_equal(results[r], data * 3)
-            assert comms[r].p2p.shared_memory_peers == [] and comms[r].p2p.shared_bytes_sent == 0
-            assert comms[r].p2p.data_socket_peers == [1 - r]  # as between hosts: the data socket
-        for c in comms:
-            c.close(timeout=2.0)
-        assert _arenas_left(options[0].shared_memory_dir) == _arenas_left(options[1].shared_memory_dir) == []
-    finally:
-        for c in comms:
-            c.close(timeout=2.0)
-        for s in servers:
-            s.stop(grace=0.2)
+        for result in cluster.run(lambda c: c.allreduce(data * (c.rank + 1))):
+            np.testing.assert_array_equal(result, data * 3)
+        for c in cluster.communicators:
+            assert c.p2p.shared_memory_peers == [] and c.p2p.shared_bytes_sent == 0
+            assert c.p2p.data_socket_peers == [1 - c.rank]  # as between hosts: the data socket
+    assert _arenas_left(options[0].shared_memory_dir) == _arenas_left(options[1].shared_memory_dir) == []
