@@ -644,11 +644,12 @@ _LINE_NUMBER = re.compile(r":\d+\)$")
 _UNTIMED = re.compile(r"(\w+\.)?(refill|prepare) \(")
 _ADDRESS = re.compile(r"^0x[0-9a-fA-F]+ ")
 # Frames near the leaf that mean the thread is blocked in the kernel, not using a core: py-spy --native
-# samples such native waits as active. ``syscall`` as a leaf is gRPC's futex wait.
+# samples such native waits as active. ``syscall`` as a leaf is gRPC's futex wait; ``accept`` is the data
+# socket listener's idle thread. A blocking ``recv`` cannot be told apart: it stays in the on-CPU counts.
 _WAIT_MARKERS = (
     "PyThread_acquire_lock_timed", "lock_PyThread_acquire_lock", "pthread_cond_wait", "pthread_cond_timedwait",
     "pthread_cond_clockwait", "epoll_wait", "epoll_pwait", "sem_wait", "sem_timedwait", "sem_clockwait",
-    "nanosleep", "poll (", "select (",
+    "nanosleep", "poll (", "select (", "accept (", "accept4 (",
 )  # fmt: skip
 
 
@@ -704,7 +705,7 @@ def print_profile(framework: str, workers: int, raw: Path, cell: Cell) -> None:
     cpu = max(totals["cpu"], 1)
     print(
         f"  samples at {PROFILE_RATE_HZ} Hz summed over threads: {totals['cpu']} on CPU; left out: "
-        f"{totals['waiting']} blocked (locks, condition variables, epoll, futex), {totals['outside']} of the "
+        f"{totals['waiting']} blocked (locks, condition variables, epoll, futex, accept), {totals['outside']} of the "
         f"main thread outside the timed all-reduces (start-up, imports, buffer refills, exit)"
     )
     print(f"  top {PROFILE_TOP} functions by own time (% of the on-CPU samples):")
