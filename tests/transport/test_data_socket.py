@@ -2,11 +2,12 @@
 
 import secrets
 import socket
+import time
 
 import numpy as np
 import pytest
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import ConfigError, PeerFailureError
 from elasticdl_strategy.transport import peer_link
 from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
 from elasticdl_strategy.transport.options import TransportOptions
@@ -180,3 +181,15 @@ def test_data_socket_settings_are_validated():
 def test_a_data_port_in_use_is_a_one_line_config_error(listener):
     with pytest.raises(ConfigError, match=f"cannot listen for data sockets on 127.0.0.1:{listener.port}"):
         DataSocketListener("127.0.0.1", listener.port, keepalive_s=2.0, max_frame=MAX_FRAME)
+
+
+def test_a_receiver_that_stops_its_server_ends_the_streams_on_its_data_sockets():
+    with ThreadCluster(2, transport_options("data-socket")) as cluster:
+        sender = cluster.communicators[0].p2p
+        cluster.run(lambda c: c.allreduce(np.ones(300_000, np.float32)))  # both streams on data sockets
+        assert sender.data_socket_peers == [1]
+        cluster.servers[1].stop(grace=0.2)  # its handler, blocked reading the socket, must let go
+        deadline = time.monotonic() + 5.0
+        with pytest.raises(PeerFailureError, match="rank 1"):
+            while time.monotonic() < deadline:
+                sender.isend(np.ones(1000, np.float32), dst=1).wait(timeout=5.0)
