@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 TICKET_BYTES = 32
 _LENGTH = struct.Struct("<I")
+# Connections still to present their ticket, at most: more are closed at once (a flood of
+# connections that send nothing must not pile up threads).
+MAX_PENDING_CONNECTIONS = 64
 
 
 class DataSocketClosed(Exception):
@@ -193,6 +196,7 @@ class DataSocketListener:
         self._cond = threading.Condition()
         self._expected: Dict[bytes, Optional[FrameSocket]] = {}
         self._closed = False
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_CONNECTIONS)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -255,10 +259,20 @@ class DataSocketListener:
                 conn, peer = self._sock.accept()
             except OSError:
                 return  # closed
+            if not self._pending.acquire(blocking=False):
+                logger.warning("refused a data connection from %s: too many connections without a ticket", peer[0])
+                conn.close()
+                continue
             threading.Thread(target=self._admit, args=(conn, peer), name="edl-data-admit", daemon=True).start()
 
     def _admit(self, conn: socket.socket, peer: Tuple) -> None:
         """Reads the ticket (bounded in time) and hands the connection over, or closes it."""
+        try:
+            self._hand_over(conn, peer)
+        finally:
+            self._pending.release()
+
+    def _hand_over(self, conn: socket.socket, peer: Tuple) -> None:
         try:
             conn.settimeout(self._ticket_timeout_s)
             if self._tls is not None:

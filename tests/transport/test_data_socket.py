@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.errors import ConfigError, PeerFailureError
-from elasticdl_strategy.transport import peer_link
+from elasticdl_strategy.transport import data_socket, peer_link
 from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
 from elasticdl_strategy.transport.options import TransportOptions
 from tests.cluster import ThreadCluster, transport_options
@@ -193,3 +193,32 @@ def test_a_receiver_that_stops_its_server_ends_the_streams_on_its_data_sockets()
         with pytest.raises(PeerFailureError, match="rank 1"):
             while time.monotonic() < deadline:
                 sender.isend(np.ones(1000, np.float32), dst=1).wait(timeout=5.0)
+
+
+def test_connections_that_never_present_a_ticket_cannot_pile_up(monkeypatch):
+    monkeypatch.setattr(data_socket, "MAX_PENDING_CONNECTIONS", 2)
+    listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=MAX_FRAME, ticket_timeout_s=30.0)
+    silent = [socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as third:
+            started = time.monotonic()
+            assert _closed_by_peer(third)
+            assert time.monotonic() - started < 5.0  # at once, not after the 30 s ticket timeout
+        for s in silent:
+            s.close()  # their admissions end (EOF) and free the slots
+        ticket = listener.expect()
+        deadline = time.monotonic() + 5.0
+        while True:  # the slots free as the silent connections' EOFs are read
+            sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, MAX_FRAME)
+            try:
+                listener.claim(ticket, timeout=0.5).close()
+                break
+            except TimeoutError:
+                sender.close()
+                assert time.monotonic() < deadline, "the admission slots were never freed"
+                ticket = listener.expect()
+        sender.close()
+    finally:
+        for s in silent:
+            s.close()
+        listener.close()
