@@ -55,8 +55,8 @@ class CheckpointStore:
         }
         with open(os.path.join(tmp, "meta.pickle"), "wb") as f:
             pickle.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
+        # On disk before it is named: a power loss must not leave "latest" naming empty files.
+        _fsync_files_and_directory(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         latest_tmp = os.path.join(self.directory, f".{_LATEST}.tmp")
@@ -65,6 +65,7 @@ class CheckpointStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(self.directory, _LATEST))
+        _fsync_directory(self.directory)  # both renames
         self._prune(keep_name=name)
         return final
 
@@ -107,3 +108,23 @@ class CheckpointStore:
         tf.train.Checkpoint(variables=variables).read(os.path.join(path, "state")).assert_existing_objects_matched()
         arrays = [np.array(v.numpy(), copy=True) for v in variables]
         return _Snapshot(arrays, meta["values"], meta["position"], meta["commit_id"])
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_files_and_directory(path: str) -> None:
+    """Flushes every file under ``path``, then the directories, to stable storage."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_directory(root)

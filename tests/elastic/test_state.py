@@ -72,6 +72,27 @@ def test_only_the_newest_checkpoints_are_kept_and_latest_points_to_a_complete_on
     assert store.latest().endswith("commit-00000004")
 
 
+def test_every_checkpoint_file_and_directory_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    w = tf.Variable(np.arange(4, dtype=np.float32))
+    state = elastic.State(variables=[w], checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    monkeypatch.setattr(os, "fsync", fsync)
+    state.commit()
+    checkpoint = tmp_path / "commit-00000001"
+    written = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert written and len(written) >= 3  # TensorFlow's index and data files, and our metadata
+    # Synced under the temporary name, before the rename that makes them visible.
+    synced_names = {os.path.relpath(p, tmp_path).split(os.sep, 1)[-1] for p in synced if ".tmp-" in p}
+    assert {str(p.relative_to(checkpoint)) for p in written} <= synced_names
+    assert str(tmp_path) in synced  # the directory holding the renamed checkpoint and "latest"
+
+
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     state = elastic.State(variables=[tf.Variable([1.0, 2.0])], checkpoint_dir=str(tmp_path), checkpoint_every=1)
     state.commit()
