@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import PointToPoint
@@ -171,7 +171,14 @@ class Worker:
                     rank, f"the coordinator removed it in membership version {latest.version} ({latest.reason})"
                 )
 
-    def reform(self, reason: str, failed: bool, suspects: Iterable[str] = (), timeout: Optional[float] = None) -> float:
+    def reform(
+        self,
+        reason: str,
+        failed: bool,
+        suspects: Iterable[str] = (),
+        timeout: Optional[float] = None,
+        stop: Optional[Callable[[], bool]] = None,
+    ) -> Optional[float]:
         """Replaces the communicator with one for the coordinator's next membership.
 
         Args:
@@ -182,9 +189,12 @@ class Worker:
                 published (a switch agreed at a commit).
             timeout: how long to wait for a membership with at least
                 ``--min-workers`` (default: the rendezvous timeout).
+            stop: gives up waiting as soon as it returns true (the worker was
+                asked to leave while too few workers remain).
 
         Returns:
-            seconds the re-formation took.
+            seconds the re-formation took, or ``None`` when ``stop`` ended the
+            wait (the old communicator stays, aborted).
 
         Raises:
             RendezvousTimeoutError: no usable membership within ``timeout``; the
@@ -197,7 +207,9 @@ class Worker:
         if failed:
             self._client.report_failure(old.version, suspects, reason)
         timeout = self._env.rendezvous_timeout_s if timeout is None else timeout
-        new = self._client.wait_for_membership(after_version=old.version, timeout=timeout)
+        new = self._client.wait_for_membership(after_version=old.version, timeout=timeout, stop=stop)
+        if new is None:
+            return None
         rank = new.rank_of(self.worker_id)
         p2p = PointToPoint(
             rank,

@@ -106,12 +106,18 @@ class CoordinatorClient:
                     ) from None
             time.sleep(_RETRY_PAUSE_S)
 
-    def wait_for_membership(self, after_version: int, timeout: float) -> Membership:
+    def wait_for_membership(
+        self, after_version: int, timeout: float, stop: Optional[Callable[[], bool]] = None
+    ) -> Optional[Membership]:
         """Waits for a membership newer than ``after_version`` that contains this worker.
 
         While a membership with enough workers trains without this worker (it
         is a standby, or joins at the next commit), the wait goes on; the
         timeout counts only while too few workers are registered.
+
+        Returns:
+            the membership, or ``None`` as soon as ``stop()`` is true (checked
+            at least every second).
 
         Raises:
             RendezvousTimeoutError: none was published within ``timeout``;
@@ -119,10 +125,13 @@ class CoordinatorClient:
         """
         deadline = time.monotonic() + timeout
         last = None
+        longest_poll = 30.0 if stop is None else 1.0
         while True:
+            if stop is not None and stop():
+                return None
             remaining = deadline - time.monotonic()
             request = coordinator_pb2.GetMembershipRequest(
-                worker_id=self.worker_id, after_version=after_version, wait_s=max(0.0, min(remaining, 30.0))
+                worker_id=self.worker_id, after_version=after_version, wait_s=max(0.0, min(remaining, longest_poll))
             )
             try:
                 last = self._call(self._stub.GetMembership, request, request.wait_s + _RPC_TIMEOUT_S)

@@ -86,8 +86,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     result = func(state, *args, **kwargs)
                     collective.elastic_phase = "done"
                     return result
-                except WorkerLeft:
-                    _exit(f"left the job gracefully at commit #{state.commit_id}")
+                except WorkerLeft as left:
+                    _exit(str(left) or f"left the job gracefully at commit #{state.commit_id}")
                 except JobFinished:  # evicted (say, after hanging) while the others finished without it
                     _exit("the job finished without this worker; exiting")
                 except MembershipChangedInterrupt as change:
@@ -116,7 +116,10 @@ class _Reset:
 
 
 def _recover(worker, state: State, reset: _Reset) -> None:
-    worker.reform(reset.reason, failed=reset.failed, suspects=reset.suspects)
+    # A SIGTERM while waiting (say, for --min-workers) leaves at once: nothing since the last commit is kept.
+    asked_to_leave = lambda: state.leave_requested  # noqa: E731
+    if worker.reform(reset.reason, failed=reset.failed, suspects=reset.suspects, stop=asked_to_leave) is None:
+        raise WorkerLeft("asked to leave while waiting for a new membership; left the job")
     if not reset.failed:
         return
     last = worker.client.last_commit().commit_id

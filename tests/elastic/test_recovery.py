@@ -144,6 +144,43 @@ def test_below_min_workers_training_waits_then_fails_clearly(tmp_path):
     assert "RendezvousTimeoutError" in err and "at least 2 needed" in err
 
 
+def _live_worker_pids(tmp_path):
+    """Pids of this test's worker processes still running (from /proc: survivors write no pid file)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        # The worker itself (python elastic_counter.py DIR ...), not the launcher whose command line holds it.
+        if len(argv) > 2 and argv[1].endswith(b"elastic_counter.py") and argv[2] == str(tmp_path).encode():
+            pids.append(int(entry))
+    return pids
+
+
+def test_sigterm_while_waiting_for_min_workers_leaves_at_once(tmp_path):
+    # Two of three die; the survivor waits for --min-workers=2 (for up to 60 s). A SIGTERM then
+    # makes it leave within a second or two, not at a commit that cannot come.
+    job = launch(
+        tmp_path, 3, {"kill": {"rank:1": 5, "rank:2": 5}}, ["--min-workers", "2", "--rendezvous-timeout", "60"]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(dead(tmp_path)) < 2 or len(_live_worker_pids(tmp_path)) != 1:
+            assert time.monotonic() < deadline and job.proc.poll() is None, "the two victims did not die"
+            time.sleep(0.1)  # polling for the victims' marker files and their processes to go
+        (survivor,) = _live_worker_pids(tmp_path)
+        os.kill(survivor, signal.SIGTERM)
+        started = time.monotonic()
+        code, out, err = finish(job, timeout=30)
+    finally:
+        job.kill()
+    assert time.monotonic() - started < 10.0, "the survivor did not leave promptly"
+    assert "asked to leave while waiting for a new membership" in out + err, err[-3000:]
+    assert "RendezvousTimeoutError" not in err
+
+
 def test_sigstopped_worker_is_evicted_and_the_job_continues(tmp_path):
     job = launch(tmp_path, 3, {"stop": {"rank:1": random_step()}}, ["--min-workers", "2"])
     try:
