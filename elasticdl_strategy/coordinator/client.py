@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Callable, Optional
@@ -44,6 +45,7 @@ class CoordinatorClient:
     def __init__(self, address: str, worker_id: str, token: str, options: TransportOptions):
         self.address = address
         self.worker_id = worker_id
+        self.incarnation = secrets.token_hex(8)  # this process, as opposed to an earlier one with the same id
         self._metadata = call_metadata(token)
         self._channel = open_channel(address, options)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
@@ -83,7 +85,9 @@ class CoordinatorClient:
             AuthenticationError: the job token was rejected.
         """
         deadline = time.monotonic() + timeout
-        request = coordinator_pb2.RegisterRequest(worker_id=self.worker_id, address=address)
+        request = coordinator_pb2.RegisterRequest(
+            worker_id=self.worker_id, address=address, incarnation=self.incarnation
+        )
         if membership is not None:
             request.membership.CopyFrom(membership.to_proto())
         if last_commit is not None:

@@ -99,6 +99,7 @@ class _Worker:
     # they register themselves: their heartbeats are answered "unknown" so that they report their
     # own last commit (it may be newer).
     reported: bool = True
+    incarnation: str = ""  # the registering process; "" when unknown (adopted from another worker's report)
 
 
 @dataclasses.dataclass
@@ -260,6 +261,17 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         if not request.worker_id or not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
         with self._cond:
+            existing = self._workers.get(request.worker_id)
+            other_process = existing is not None and existing.alive and self._restarted(existing, request)
+            previous_address = existing.address if other_process else None
+        # A new process under a live worker's id, elsewhere: a restart if the old address is silent,
+        # else two processes given the same id (probed outside the lock: it takes up to a second).
+        if previous_address not in (None, request.address) and self._probe(previous_address):
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker id {request.worker_id!r} is already used by a live process at {previous_address}",
+            )
+        with self._cond:
             if request.membership.version > self._membership.version:
                 self._recover(request)
             elif (
@@ -269,8 +281,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             ):
                 # Another worker of the recovered membership knows a later commit than the first reported.
                 self._last_commit.CopyFrom(request.last_commit)
-            running = self._membership.version > 0 and self._membership.rank_of(request.worker_id) < 0
             existing = self._workers.get(request.worker_id)
+            if existing is not None and existing.alive and self._restarted(existing, request):
+                # Its previous process is gone, and its state with it: remove that member now; the new
+                # process joins like any new worker (at the back of the order, synced at a commit).
+                existing.alive = False
+                logger.warning(
+                    "worker %s restarted (a new process at %s): its previous process is gone",
+                    request.worker_id,
+                    request.address,
+                )
+                self._publish_if_changed(f"{request.worker_id} restarted", admit=False)
+            running = self._membership.version > 0 and self._membership.rank_of(request.worker_id) < 0
             if existing is not None and existing.alive:
                 if existing.address != request.address:
                     context.abort(
@@ -279,13 +301,14 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                     )
                 existing.last_heartbeat = self._clock()
                 existing.reported = True
+                existing.incarnation = existing.incarnation or request.incarnation
                 join_order = existing.join_order
             else:
                 self._joins += 1
                 join_order = self._joins
                 self._workers.pop(request.worker_id, None)
                 self._workers[request.worker_id] = _Worker(
-                    request.worker_id, request.address, join_order, self._clock()
+                    request.worker_id, request.address, join_order, self._clock(), incarnation=request.incarnation
                 )
                 logger.info("worker %s registered from %s (join #%d)", request.worker_id, request.address, join_order)
                 if self._membership.version > 0 and self._ready(self._membership):
@@ -294,6 +317,11 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.RegisterResponse(
             join_order=join_order, heartbeat_interval_s=self.params.heartbeat_interval_s, joins_running_job=running
         )
+
+    @staticmethod
+    def _restarted(existing: _Worker, request) -> bool:
+        """Whether ``request`` comes from another process than the one ``existing`` registered."""
+        return bool(existing.incarnation and request.incarnation and existing.incarnation != request.incarnation)
 
     def _recover(self, request) -> None:
         """Adopts the membership and last commit a worker reports (this coordinator restarted)."""

@@ -34,8 +34,9 @@ class Context:
         return True
 
 
-def register(coordinator, worker_id, address=None):
-    return coordinator.Register(pb.RegisterRequest(worker_id=worker_id, address=address or f"h:{worker_id}"), Context())
+def register(coordinator, worker_id, address=None, incarnation="first"):
+    request = pb.RegisterRequest(worker_id=worker_id, address=address or f"h:{worker_id}", incarnation=incarnation)
+    return coordinator.Register(request, Context())
 
 
 def members(coordinator):
@@ -121,6 +122,36 @@ def test_same_id_from_another_address_is_refused():
     register(c, "a", "h:1")  # a retry is fine
     with pytest.raises(grpc.RpcError, match="already registered"):
         register(c, "a", "h:2")
+
+
+def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new_worker():
+    c = Coordinator(CoordinatorParams(2, 3, 3), clock=FakeClock())
+    for wid in "abc":
+        register(c, wid)
+    assert c.membership.version == 1 and members(c) == ["a", "b", "c"]
+    # "a" restarts in place (same address, e.g. a container restarted by its operator): its old
+    # process and state are gone; the new one must not take rank 0 and hand out fresh weights.
+    response = register(c, "a", incarnation="second")
+    assert c.membership.version == 2 and members(c) == ["b", "c"]
+    assert "a restarted" in c.membership.reason
+    assert response.joins_running_job and response.join_order == 4  # at the back, synced at a commit
+    assert commit(c, "b", 1, version=2).membership_version == 2
+    assert commit(c, "c", 1, version=2).membership_version == 3
+    assert members(c) == ["b", "c", "a"]
+    # A retry from the same process changes nothing.
+    assert register(c, "a", incarnation="second").join_order == 4 and c.membership.version == 3
+
+
+def test_a_new_process_elsewhere_under_a_live_workers_id_is_refused_while_the_old_one_answers(monkeypatch):
+    c = Coordinator(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    register(c, "a", "h:1")
+    monkeypatch.setattr(c, "_probe", lambda address: address == "h:1")  # the old process answers health checks
+    with pytest.raises(grpc.RpcError, match="already used by a live process at h:1"):
+        register(c, "a", "h:2", incarnation="second")
+    assert members(c) == ["a"] and c.membership.version == 1
+    monkeypatch.setattr(c, "_probe", lambda address: False)  # it died (a relaunched pod, new address)
+    assert register(c, "a", "h:2", incarnation="second").join_order == 2
+    assert c.membership.version == 3 and [m.address for m in c.membership.members] == ["h:2"]
 
 
 @pytest.mark.parametrize(
