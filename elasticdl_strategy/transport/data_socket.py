@@ -1,4 +1,5 @@
-"""Direct data sockets: a stream's frames on a plain TCP connection, set up through gRPC.
+"""Direct data sockets: a stream's frames on their own TCP connection (TLS when the job
+uses it), set up through gRPC.
 
 gRPC Python copies every message several times under the GIL and hands it
 between threads on the way (see ``benchmarks/README.md``); a plain socket
@@ -8,8 +9,8 @@ the kernel into the receiver's buffer. gRPC stays the control path: a
 on that authenticated stream with a port and a one-time random ticket, and
 the sender connects and writes the ticket first. A connection whose first
 bytes are not a live ticket is closed without touching any state, so the
-job token still guards everything (the ticket is only ever handed to a
-caller that presented it).
+job token still guards everything (tickets are only handed out on streams
+that presented it).
 
 On the socket every control frame is length-prefixed (4 bytes, little
 endian) and a payload follows its header as raw bytes. The gRPC stream stays
@@ -65,7 +66,8 @@ class FrameSocket:
         self._reader = sock.makefile("rb", buffering=64 << 10)
 
     def send_frame(self, frame: bytes, payload: Optional[memoryview] = None) -> None:
-        """Writes one control frame, then ``payload`` raw (not copied).
+        """Writes one control frame, then ``payload`` raw (joined to the frame when small,
+        else written straight from its memory).
 
         Raises:
             DataSocketClosed: the connection is gone.
