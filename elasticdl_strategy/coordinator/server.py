@@ -39,8 +39,12 @@ class CoordinatorServer:
             coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
 
+        # Each worker holds at most one blocking call (a membership long-poll or a commit barrier)
+        # beside short ones (heartbeats): all of them must be served at once, or a commit of more
+        # workers than threads never completes.
+        threads = 64 + 8 * params.max_workers
         self._server, self.port = start_server(
-            [], bind, validate_token(token), options, max_workers=64, register=register
+            [], bind, validate_token(token), options, max_workers=threads, register=register
         )
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.coordinator.start_reaper()

@@ -19,6 +19,11 @@ from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import PeerService, StreamListener
 from elasticdl_strategy.transport.protos import peer_pb2
 
+# Every inbound stream holds a server thread for its life: N - 1 per membership (a direct
+# all-reduce talks to every peer), two memberships while one is being replaced, plus short calls.
+# Enough for jobs of several hundred workers; threads are only started as calls need them.
+MAX_THREADS = 1024
+
 
 class WorkerServer:
     """Serves a worker's peer endpoint on ``bind`` (port 0 picks a free port), and
@@ -31,7 +36,9 @@ class WorkerServer:
         server.set_listener(version, p2p)       # once the membership is known
     """
 
-    def __init__(self, bind: str, token: str, options: TransportOptions, max_threads: int = 64, data_port: int = 0):
+    def __init__(
+        self, bind: str, token: str, options: TransportOptions, max_threads: int = MAX_THREADS, data_port: int = 0
+    ):
         self._options = options
         self._cond = threading.Condition()
         self._listener: Optional[StreamListener] = None

@@ -5,9 +5,12 @@ import time
 import numpy as np
 import pytest
 
+from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
+from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.options import TransportOptions
-from tests.cluster import ThreadCluster
+from elasticdl_strategy.transport.worker_server import WorkerServer
+from tests.cluster import ThreadCluster, transport_options
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +96,27 @@ def test_send_to_self(pair):
 def test_invalid_peer_is_a_config_error(pair):
     with pytest.raises(ConfigError, match="ranks are 0..1"):
         p2p(pair, 0).send(np.ones(1), dst=2)
+
+
+@pytest.mark.parametrize("transport", ["data-socket", "grpc"])
+def test_a_worker_receives_from_more_peers_than_a_fixed_thread_pool(transport):
+    # Each inbound stream holds one server thread for its life: a direct all-reduce of N workers
+    # has N - 1 of them on every worker, so the server must not stop at a fixed small number.
+    n = 80
+    token = new_token()
+    options = transport_options(transport)
+    server = WorkerServer("127.0.0.1:0", token, options)
+    addresses = [f"127.0.0.1:{server.port}"] + ["127.0.0.1:1"] * (n - 1)  # senders serve nothing here
+    receiver = PointToPoint(0, addresses, 1, token, options)
+    server.set_listener(1, receiver)
+    senders = [PointToPoint(r, addresses, 1, token, options) for r in range(1, n)]
+    try:
+        requests = [s.isend(np.full(4, s.rank, np.int64), dst=0) for s in senders]
+        for r in range(1, n):
+            np.testing.assert_array_equal(receiver.recv(src=r, timeout=20), np.full(4, r, np.int64))
+        for request in requests:
+            request.wait(timeout=5)
+    finally:
+        for p in senders + [receiver]:
+            p.close(timeout=2.0)
+        server.stop(grace=0.2)

@@ -10,9 +10,10 @@ from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.errors import ConfigError, RendezvousError, RendezvousTimeoutError
-from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.auth import call_metadata, new_token
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
+from elasticdl_strategy.transport.protos import coordinator_pb2_grpc as pb_grpc
 
 
 class FakeClock:
@@ -360,3 +361,35 @@ class socket_port:
 
     def __exit__(self, *exc):
         self._socket.close()
+
+
+def test_a_commit_of_more_workers_than_a_fixed_thread_pool_completes():
+    # Every member's Commit blocks at the barrier until the last one arrives: the server must be
+    # able to hold them all at once (and still answer heartbeats meanwhile).
+    n = 80
+    token = new_token()
+    params = CoordinatorParams(n, n, n, heartbeat_interval_s=1, heartbeat_timeout_s=30)
+    server = CoordinatorServer(params, "127.0.0.1:0", token, TransportOptions())
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.CoordinatorStub(channel)
+    metadata = call_metadata(token)
+    try:
+        for i in range(n):
+            stub.Register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}"), metadata=metadata, timeout=5)
+        assert server.coordinator.membership.size == n
+        version = server.coordinator.membership.version
+        results = [None] * n
+
+        def commit_one(i):
+            request = pb.CommitRequest(worker_id=f"w{i}", membership_version=version, commit_id=1)
+            results[i] = stub.Commit(request, metadata=metadata, timeout=20).recorded
+
+        threads = [threading.Thread(target=commit_one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert results == [True] * n
+    finally:
+        channel.close()
+        server.stop(0)
