@@ -488,16 +488,24 @@ def profiled(argv: List[str], prefix: str) -> List[str]:
 
 
 def worker_commands(
-    framework: str, workers: int, worker_args: List[str], profile_prefix: Optional[str] = None
+    framework: str,
+    workers: int,
+    worker_args: List[str],
+    profile_prefix: Optional[str] = None,
+    tls_dir: Optional[str] = None,
 ) -> List[Tuple[List[str], Dict[str, str]]]:
     """(argv, env) of each process to start for one run; with ``profile_prefix`` (our paths only)
-    every worker runs under py-spy."""
+    every worker runs under py-spy; with ``tls_dir`` ours use TLS with its cert.pem, key.pem and ca.pem."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
     base = dict(os.environ, PYTHONUNBUFFERED="1")
     if framework in OURS:
         env = dict(base, **OUR_PATH_ENV[framework])
         command = profiled(me, profile_prefix) if profile_prefix else me
-        return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *command], env)]
+        tls = []
+        if tls_dir:
+            tls = [f"--tls-{part}={os.path.join(tls_dir, f'{part}.pem')}" for part in ("cert", "key", "ca")]
+        launcher = [sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), *tls]
+        return [([*launcher, "--", *command], env)]
     if framework == "gloo":
         port = free_ports(1)[0]
         common = dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(workers))
@@ -592,7 +600,7 @@ def run_one(
         started = time.monotonic()
         try:
             with open(log, "wb") as out:
-                for argv, env in worker_commands(framework, workers, worker_args, profile_prefix):
+                for argv, env in worker_commands(framework, workers, worker_args, profile_prefix, args.tls):
                     procs.append(
                         subprocess.Popen(
                             argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -844,6 +852,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--profile", metavar="PREFIX",
         help="after the table, profile our paths under py-spy: PREFIX.<framework>.rank<R>.txt (raw format)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tls", metavar="DIR",
+        help="run our paths over (mutual) TLS with DIR/cert.pem, DIR/key.pem and DIR/ca.pem (valid for 127.0.0.1)",
     )  # fmt: skip
     p.add_argument("--profile-size", type=parse_size, default=parse_size("64MiB"), help="default 64MiB")
     p.add_argument("--profile-workers", type=int, default=2, help="default 2")
