@@ -16,7 +16,8 @@ The hierarchy::
     ├── AuthenticationError      a call was rejected: missing or wrong job token
     ├── RendezvousError          the coordinator could not form or reach a membership
     │   ├── RendezvousTimeoutError
-    │   └── JobFinished              a standby learns that the job ended without it
+    │   ├── JobFinished              a standby learns that the job ended without it
+    │   └── WorkerReplaced           a new process took this worker's id: this one must stop
     ├── CommunicationError       a point-to-point or collective operation failed
     │   ├── PeerFailureError         a peer died, left or became unreachable
     │   ├── CollectiveMismatchError  ranks called different collectives or arguments
@@ -59,6 +60,11 @@ class RendezvousTimeoutError(RendezvousError):
 
 class JobFinished(RendezvousError):
     """The job finished while this worker waited to join it (a standby): nothing left to do."""
+
+
+class WorkerReplaced(RendezvousError):
+    """A new process registered under this worker's id (this one was restarted or relaunched
+    while it hung): this process must stop."""
 
 
 class CommunicationError(ElasticDLError):

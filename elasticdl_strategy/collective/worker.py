@@ -56,6 +56,7 @@ class Worker:
         self._env = env
         self._reregister_lock = threading.Lock()
         self._declared_dead = False
+        self._replaced = False
         # Set when this worker asked to leave: the coordinator forgetting it is then expected.
         self.leaving = False
 
@@ -119,6 +120,22 @@ class Worker:
         """The coordinator session (``None`` for a single worker)."""
         return self._client
 
+    def _stop_as_replaced(self) -> None:
+        """A new process took this worker's id: fail its collectives; its next wait for a membership
+        raises WorkerReplaced."""
+        if self._replaced:
+            return
+        self._replaced = True
+        logger.error(
+            "worker %s: a new process registered under this worker id (this one was restarted or relaunched "
+            "while it hung): this process stops",
+            self.worker_id,
+        )
+        p2p = self.communicator.p2p
+        for rank in range(p2p.size):
+            if rank != p2p.rank:
+                p2p.peer_failed(rank, f"worker {self.worker_id} was replaced by a new process under its id")
+
     def reregister(self) -> None:
         """Registers again with the membership and last commit this worker knows.
 
@@ -133,7 +150,10 @@ class Worker:
             self._client.register(address, self._env.rendezvous_timeout_s, self.membership, self.last_commit)
 
     def _on_heartbeat(self, response) -> None:
-        """Fails collectives at once when the coordinator drops one of our peers."""
+        """Fails collectives at once when the coordinator drops one of our peers (or replaced this worker)."""
+        if response.replaced:
+            self._stop_as_replaced()
+            return
         if not response.known:
             if self.leaving:
                 return

@@ -19,6 +19,7 @@ from elasticdl_strategy.errors import (
     JobFinished,
     RendezvousError,
     RendezvousTimeoutError,
+    WorkerReplaced,
 )
 from elasticdl_strategy.transport.auth import call_metadata
 from elasticdl_strategy.transport.endpoints import open_channel
@@ -135,10 +136,18 @@ class CoordinatorClient:
                 return None
             remaining = deadline - time.monotonic()
             request = coordinator_pb2.GetMembershipRequest(
-                worker_id=self.worker_id, after_version=after_version, wait_s=max(0.0, min(remaining, longest_poll))
+                worker_id=self.worker_id,
+                after_version=after_version,
+                wait_s=max(0.0, min(remaining, longest_poll)),
+                incarnation=self.incarnation,
             )
             try:
                 last = self._call(self._stub.GetMembership, request, request.wait_s + _RPC_TIMEOUT_S)
+                if last.replaced:
+                    raise WorkerReplaced(
+                        f"worker {self.worker_id}: a new process registered under this worker id (this one was "
+                        "restarted or relaunched while it hung); this process stops"
+                    )
                 if last.job_finished:
                     raise JobFinished(f"worker {self.worker_id}: the job finished; no membership will come")
                 membership = Membership.from_proto(last.membership)
@@ -168,7 +177,9 @@ class CoordinatorClient:
                 )
 
     def heartbeat(self, membership_version: int) -> coordinator_pb2.HeartbeatResponse:
-        request = coordinator_pb2.HeartbeatRequest(worker_id=self.worker_id, membership_version=membership_version)
+        request = coordinator_pb2.HeartbeatRequest(
+            worker_id=self.worker_id, membership_version=membership_version, incarnation=self.incarnation
+        )
         return self._call(self._stub.Heartbeat, request, _RPC_TIMEOUT_S)
 
     def start_heartbeats(

@@ -366,6 +366,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
         context.add_callback(wake)  # the caller hung up or died: stop waiting
         with self._cond:
+            if self._replaced(request.worker_id, request.incarnation):
+                return coordinator_pb2.GetMembershipResponse(membership=self._membership.to_proto(), replaced=True)
             self._waiting[request.worker_id] += 1
             try:
                 self._cond.wait_for(ready, timeout=wait_s)
@@ -389,10 +391,18 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         worker.last_heartbeat = self._clock()
         return True
 
+    def _replaced(self, worker_id: str, incarnation: str) -> bool:
+        """Whether a newer process than ``incarnation`` registered as ``worker_id`` (lock held)."""
+        worker = self._workers.get(worker_id)
+        return bool(worker is not None and worker.incarnation and incarnation and worker.incarnation != incarnation)
+
     def Heartbeat(self, request, context):
         with self._cond:
+            version = self._membership.version
+            if self._replaced(request.worker_id, request.incarnation):
+                return coordinator_pb2.HeartbeatResponse(membership_version=version, known=False, replaced=True)
             known = self._touch(request.worker_id) and self._workers[request.worker_id].reported
-            return coordinator_pb2.HeartbeatResponse(membership_version=self._membership.version, known=known)
+            return coordinator_pb2.HeartbeatResponse(membership_version=version, known=known)
 
     def Leave(self, request, context):
         with self._cond:

@@ -9,7 +9,7 @@ import pytest
 from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.server import CoordinatorServer
-from elasticdl_strategy.errors import ConfigError, RendezvousError, RendezvousTimeoutError
+from elasticdl_strategy.errors import ConfigError, RendezvousError, RendezvousTimeoutError, WorkerReplaced
 from elasticdl_strategy.transport.auth import call_metadata, new_token
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
@@ -393,3 +393,36 @@ def test_a_commit_of_more_workers_than_a_fixed_thread_pool_completes():
     finally:
         channel.close()
         server.stop(0)
+
+
+def test_a_replaced_process_is_told_to_stop_and_cannot_keep_its_successor_alive():
+    clock = FakeClock()
+    c = Coordinator(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    register(c, "a", incarnation="first")
+    register(c, "b", incarnation="first")
+    register(c, "a", "h:new", incarnation="second")  # the old "a" hung, a new process took its id
+    old = c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="first"), Context())
+    assert old.replaced and not old.known
+    waiting = c.GetMembership(pb.GetMembershipRequest(worker_id="a", incarnation="first", wait_s=30), Context())
+    assert waiting.replaced  # at once: the old process must not wait for, or be handed, a membership
+    clock.now += 6  # only the old process "heartbeats": the new one is declared dead, not kept alive by it
+    c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"), Context())
+    c.reap()
+    assert "a" not in members(c)
+    new = c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"), Context())
+    assert new.known and not new.replaced
+
+
+def test_a_client_whose_id_was_taken_by_a_new_process_raises_worker_replaced(served):
+    server, token = served
+    address = f"127.0.0.1:{server.port}"
+    old, new = (CoordinatorClient(address, "w0", token, TransportOptions()) for _ in range(2))
+    try:
+        old.register("127.0.0.1:1", timeout=5)
+        new.register("127.0.0.1:1", timeout=5)  # same address: a restart in place
+        assert old.heartbeat(0).replaced and not new.heartbeat(0).replaced
+        with pytest.raises(WorkerReplaced, match="a new process registered under this worker id"):
+            old.wait_for_membership(0, timeout=5)
+    finally:
+        old.close()
+        new.close()
