@@ -14,7 +14,9 @@ the stream and fails collectives exactly as without shared memory.
 
 Both sides unlink the file as soon as the receiver has mapped it (or refused
 it), so the memory goes away with the last process that maps it, even when a
-worker is killed.
+worker is killed. Only a sender killed in the milliseconds between creating an
+arena and the receiver's answer leaves its file behind; creating an arena
+removes such files once they are older than any live offer can be.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -40,6 +43,9 @@ _NONCE_BYTES = 16
 _HEADER_BYTES = mmap.PAGESIZE
 MAX_SLOTS = 1024
 MAX_SLOT_SIZE = 64 << 20
+# An arena still named after this long was abandoned: offers are answered (and the file
+# unlinked) within seconds, and a receiver that maps one later just finds it gone and refuses.
+STALE_AFTER_S = 600.0
 
 
 def _unlink(path: str) -> None:
@@ -47,6 +53,33 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_stale_arenas(directory: str, now: Optional[float] = None) -> List[str]:
+    """Removes arena files in ``directory`` older than :data:`STALE_AFTER_S`; returns their names.
+
+    Other processes' files are judged by age, not by pid: pods sharing a directory do
+    not share pid namespaces.
+    """
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _NAME_PATTERN.fullmatch(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path).st_mtime > STALE_AFTER_S:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue  # unlinked meanwhile by its owner or its receiver
+    if removed:
+        logger.info("removed %d abandoned shared-memory arena(s) from %s", len(removed), directory)
+    return removed
 
 
 class SendArena:
@@ -60,6 +93,7 @@ class SendArena:
     """
 
     def __init__(self, directory: str, slots: int, slot_size: int):
+        remove_stale_arenas(directory)
         self.slots = slots
         self.slot_size = slot_size
         self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"

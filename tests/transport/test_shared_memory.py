@@ -1,6 +1,7 @@
 """The same-host shared-memory path: arenas, negotiation, fallback to gRPC, identical results."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
-from elasticdl_strategy.transport.shared_memory import NAME_PREFIX, ReceiveArena, SendArena
+from elasticdl_strategy.transport.shared_memory import NAME_PREFIX, STALE_AFTER_S, ReceiveArena, SendArena
 from tests.cluster import ThreadCluster
 
 SLOT = 64 << 10
@@ -151,3 +152,16 @@ def test_peers_that_cannot_see_each_others_arena_use_the_data_socket(tmp_path):
             assert c.p2p.shared_memory_peers == [] and c.p2p.shared_bytes_sent == 0
             assert c.p2p.data_socket_peers == [1 - c.rank]  # as between hosts: the data socket
     assert _arenas_left(options[0].shared_memory_dir) == _arenas_left(options[1].shared_memory_dir) == []
+
+
+def test_creating_an_arena_removes_arenas_abandoned_long_ago_and_nothing_else(tmp_path):
+    stale, fresh, other = "edl-arena-123-0123456789abcdef", "edl-arena-456-fedcba9876543210", "edl-arena-notes"
+    for name in (stale, fresh, other):
+        (tmp_path / name).write_bytes(b"x")
+    long_ago = time.time() - STALE_AFTER_S - 60
+    for name in (stale, other):
+        os.utime(tmp_path / name, (long_ago, long_ago))
+    arena = SendArena(str(tmp_path), slots=2, slot_size=SLOT)
+    left = sorted(os.listdir(tmp_path))
+    assert stale not in left and fresh in left and other in left and arena.name in left
+    arena.unlink()
