@@ -119,7 +119,9 @@ class FrameSocket:
     def shutdown(self) -> None:
         """Ends the connection both ways; blocked reads and writes return at once. Idempotent."""
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            # The plain socket's shutdown even for TLS: SSLSocket.shutdown drops its TLS state first,
+            # and a read or write racing with it would then see or send raw bytes.
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         except OSError:
             pass
 

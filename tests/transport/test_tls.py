@@ -62,3 +62,30 @@ def test_a_data_socket_without_tls_or_without_a_client_certificate_is_refused(tl
 def test_missing_tls_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         TLSConfig(str(tmp_path / "nope.pem"), str(tmp_path / "nope.key"))
+
+
+def test_a_tls_data_socket_shut_down_mid_message_never_reads_raw_bytes_as_payload(tls_files):
+    listener = DataSocketListener(
+        "127.0.0.1", 0, 2.0, 1 << 20, ticket_timeout_s=2.0, tls=tls_files.server_ssl_context()
+    )
+    try:
+        ticket = listener.expect()
+        sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, 1 << 20, tls=tls_files.client_ssl_context())
+        receiver = listener.claim(ticket, timeout=5.0)
+        payload = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)  # 1 MiB, then more queued behind it
+        sender.send_frame(b"first", memoryview(payload))
+        sender.send_frame(b"second", memoryview(payload[: 512 << 10]))
+        assert receiver.recv_frame() == b"first"
+        out = np.zeros(len(payload), np.uint8)
+        receiver.recv_into(memoryview(out)[: len(out) - (60 << 10)])
+        receiver.shutdown()  # what the end of the gRPC call does, mid-message
+        try:
+            receiver.recv_into(memoryview(out)[len(out) - (60 << 10) :])
+        except DataSocketClosed:
+            pass  # refused: fine
+        else:  # or the rest of what was already decrypted or queued: then it must be the real bytes
+            np.testing.assert_array_equal(out, payload)
+        sender.close()
+        receiver.close()
+    finally:
+        listener.close()
