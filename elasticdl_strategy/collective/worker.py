@@ -82,6 +82,8 @@ class Worker:
             def on_heartbeat(response) -> None:
                 if worker is not None:
                     worker._on_heartbeat(response)
+                elif response.replaced:
+                    pass  # the wait for a membership below raises WorkerReplaced
                 elif not response.known:  # forgotten while waiting (coordinator restart): register again
                     client.register(address, timeout=env.rendezvous_timeout_s)
 

@@ -200,12 +200,16 @@ class CoordinatorClient:
         self._heartbeats.start()
 
     def get_membership(self) -> Membership:
-        request = coordinator_pb2.GetMembershipRequest(worker_id=self.worker_id, after_version=-1, wait_s=0)
+        request = coordinator_pb2.GetMembershipRequest(
+            worker_id=self.worker_id, after_version=-1, wait_s=0, incarnation=self.incarnation
+        )
         return Membership.from_proto(self._call(self._stub.GetMembership, request, _RPC_TIMEOUT_S).membership)
 
     def last_commit(self) -> coordinator_pb2.CommitRecord:
         """The last commit the coordinator recorded (commit id 0: none yet)."""
-        request = coordinator_pb2.GetMembershipRequest(worker_id=self.worker_id, after_version=-1, wait_s=0)
+        request = coordinator_pb2.GetMembershipRequest(
+            worker_id=self.worker_id, after_version=-1, wait_s=0, incarnation=self.incarnation
+        )
         return self._call(self._stub.GetMembership, request, _RPC_TIMEOUT_S).last_commit
 
     def commit(
@@ -233,6 +237,7 @@ class CoordinatorClient:
             commit_id=commit_id,
             position=position,
             leaving=leaving,
+            incarnation=self.incarnation,
         )
         reason = "no answer from the coordinator"
         while time.monotonic() < deadline:
@@ -262,7 +267,11 @@ class CoordinatorClient:
     def report_failure(self, membership_version: int, suspects, reason: str) -> None:
         """Tells the coordinator a collective failed, naming unreachable workers; best effort."""
         request = coordinator_pb2.FailureReport(
-            worker_id=self.worker_id, membership_version=membership_version, suspects=list(suspects), reason=reason
+            worker_id=self.worker_id,
+            membership_version=membership_version,
+            suspects=list(suspects),
+            reason=reason,
+            incarnation=self.incarnation,
         )
         try:
             self._call(self._stub.ReportFailure, request, _RPC_TIMEOUT_S)
@@ -290,7 +299,9 @@ class CoordinatorClient:
 
     def leave(self, reason: str, finished: bool = False) -> None:
         """Tells the coordinator this worker is leaving (``finished``: its program succeeded); best effort."""
-        request = coordinator_pb2.LeaveRequest(worker_id=self.worker_id, reason=reason, finished=finished)
+        request = coordinator_pb2.LeaveRequest(
+            worker_id=self.worker_id, reason=reason, finished=finished, incarnation=self.incarnation
+        )
         try:
             self._call(self._stub.Leave, request, 2.0)
         except (grpc.RpcError, AuthenticationError) as e:

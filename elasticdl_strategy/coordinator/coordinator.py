@@ -260,68 +260,72 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def Register(self, request, context):
         if not request.worker_id or not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
-        with self._cond:
-            existing = self._workers.get(request.worker_id)
-            other_process = existing is not None and existing.alive and self._restarted(existing, request)
-            previous_address = existing.address if other_process else None
-        # A new process under a live worker's id, elsewhere: a restart if the old address is silent,
-        # else two processes given the same id (probed outside the lock: it takes up to a second).
-        if previous_address not in (None, request.address) and self._probe(previous_address):
-            context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"worker id {request.worker_id!r} is already used by a live process at {previous_address}",
+        for _ in range(3):
+            with self._cond:
+                seen = self._workers.get(request.worker_id)
+                suspect = seen is not None and seen.alive and self._other_process(seen, request)
+            # Another process under a live worker's id, elsewhere: a restart if the old address is
+            # silent, else two processes given the same id (probed outside the lock: up to a second).
+            if suspect and seen.address != request.address and self._probe(seen.address):
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"worker id {request.worker_id!r} is already used by a live process at {seen.address}",
+                )
+            with self._cond:
+                if self._workers.get(request.worker_id) is seen:  # else it changed while probing: look again
+                    return self._register(request, context)
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"worker id {request.worker_id!r} is being registered concurrently")
+
+    def _register(self, request, context) -> coordinator_pb2.RegisterResponse:
+        """Registers the worker (lock held; a live process elsewhere under its id was ruled out)."""
+        if request.membership.version > self._membership.version:
+            self._recover(request)
+        elif (
+            request.membership.version == self._membership.version
+            and request.last_commit.commit_id > self._last_commit.commit_id
+            and request.last_commit.membership_version == self._membership.version
+        ):
+            # Another worker of the recovered membership knows a later commit than the first reported.
+            self._last_commit.CopyFrom(request.last_commit)
+        existing = self._workers.get(request.worker_id)
+        if existing is not None and existing.alive and self._other_process(existing, request):
+            # Its previous process is gone, and its state with it: remove that member now; the new
+            # process joins like any new worker (at the back of the order, synced at a commit).
+            existing.alive = False
+            logger.warning(
+                "worker %s restarted (a new process at %s): its previous process is gone",
+                request.worker_id,
+                request.address,
             )
-        with self._cond:
-            if request.membership.version > self._membership.version:
-                self._recover(request)
-            elif (
-                request.membership.version == self._membership.version
-                and request.last_commit.commit_id > self._last_commit.commit_id
-                and request.last_commit.membership_version == self._membership.version
-            ):
-                # Another worker of the recovered membership knows a later commit than the first reported.
-                self._last_commit.CopyFrom(request.last_commit)
-            existing = self._workers.get(request.worker_id)
-            if existing is not None and existing.alive and self._restarted(existing, request):
-                # Its previous process is gone, and its state with it: remove that member now; the new
-                # process joins like any new worker (at the back of the order, synced at a commit).
-                existing.alive = False
-                logger.warning(
-                    "worker %s restarted (a new process at %s): its previous process is gone",
-                    request.worker_id,
-                    request.address,
-                )
-                self._publish_if_changed(f"{request.worker_id} restarted", admit=False)
-            running = self._membership.version > 0 and self._membership.rank_of(request.worker_id) < 0
-            if existing is not None and existing.alive:
-                if existing.address != request.address:
-                    context.abort(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"worker id {request.worker_id!r} is already registered from {existing.address}",
-                    )
-                existing.last_heartbeat = self._clock()
-                existing.reported = True
-                existing.incarnation = existing.incarnation or request.incarnation
-                join_order = existing.join_order
-            else:
-                self._joins += 1
-                join_order = self._joins
-                self._workers.pop(request.worker_id, None)
-                self._workers[request.worker_id] = _Worker(
-                    request.worker_id, request.address, join_order, self._clock(), incarnation=request.incarnation
-                )
-                logger.info("worker %s registered from %s (join #%d)", request.worker_id, request.address, join_order)
-                if self._membership.version > 0 and self._ready(self._membership):
-                    logger.info("worker %s joins the running job at its next commit", request.worker_id)
-                self._publish_if_changed(f"{request.worker_id} joined", admit=False)
+            self._publish_if_changed(f"{request.worker_id} restarted", admit=False)
+        running = self._membership.version > 0 and self._membership.rank_of(request.worker_id) < 0
+        if existing is not None and existing.alive:
+            existing.last_heartbeat = self._clock()
+            existing.reported = True
+            existing.incarnation = existing.incarnation or request.incarnation
+            join_order = existing.join_order
+        else:
+            self._joins += 1
+            join_order = self._joins
+            self._workers.pop(request.worker_id, None)
+            self._workers[request.worker_id] = _Worker(
+                request.worker_id, request.address, join_order, self._clock(), incarnation=request.incarnation
+            )
+            logger.info("worker %s registered from %s (join #%d)", request.worker_id, request.address, join_order)
+            if self._membership.version > 0 and self._ready(self._membership):
+                logger.info("worker %s joins the running job at its next commit", request.worker_id)
+            self._publish_if_changed(f"{request.worker_id} joined", admit=False)
         return coordinator_pb2.RegisterResponse(
             join_order=join_order, heartbeat_interval_s=self.params.heartbeat_interval_s, joins_running_job=running
         )
 
     @staticmethod
-    def _restarted(existing: _Worker, request) -> bool:
-        """Whether ``request`` comes from another process than the one ``existing`` registered."""
-        return bool(existing.incarnation and request.incarnation and existing.incarnation != request.incarnation)
+    def _other_process(existing: _Worker, request) -> bool:
+        """Whether ``request`` comes from another process than the one ``existing`` stands for: by
+        incarnation, or by address where one is unknown (adopted after a coordinator restart)."""
+        if existing.incarnation and request.incarnation:
+            return existing.incarnation != request.incarnation
+        return existing.address != request.address
 
     def _recover(self, request) -> None:
         """Adopts the membership and last commit a worker reports (this coordinator restarted)."""
@@ -357,6 +361,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 self._stop.is_set()
                 or self._finished
                 or not context.is_active()
+                or self._replaced(request.worker_id, request.incarnation)
                 or (m.version > request.after_version and m.rank_of(request.worker_id) >= 0 and self._ready(m))
             )
 
@@ -373,6 +378,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 self._cond.wait_for(ready, timeout=wait_s)
             finally:
                 self._waiting[request.worker_id] -= 1
+            if self._replaced(request.worker_id, request.incarnation):  # while it waited
+                return coordinator_pb2.GetMembershipResponse(membership=self._membership.to_proto(), replaced=True)
             self._touch(request.worker_id)
             return coordinator_pb2.GetMembershipResponse(
                 membership=self._membership.to_proto(),
@@ -406,6 +413,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Leave(self, request, context):
         with self._cond:
+            if self._replaced(request.worker_id, request.incarnation):  # must not remove its successor
+                logger.info("ignored the leave of worker %s's replaced process", request.worker_id)
+                return coordinator_pb2.LeaveResponse(membership_version=self._membership.version)
             worker = self._workers.get(request.worker_id)
             if request.finished and not self._finished:
                 self._finished = True
@@ -435,7 +445,9 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def ReportFailure(self, request, context):
         with self._cond:
-            if request.membership_version != self._membership.version:
+            if request.membership_version != self._membership.version or self._replaced(
+                request.worker_id, request.incarnation
+            ):
                 return coordinator_pb2.FailureReportResponse(membership_version=self._membership.version)
             suspects = [self._workers[s] for s in request.suspects if s in self._workers]
         unreachable = [w for w in suspects if not self._probe(w.address)]
@@ -491,6 +503,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _enter_commit(self, request) -> Optional[coordinator_pb2.CommitResponse]:
         """Adds ``request`` to the barrier (lock held); returns a response when there is no need to wait."""
+        if self._replaced(request.worker_id, request.incarnation):
+            return self._commit_response(False, "a newer process registered under this worker id")
         self._touch(request.worker_id)
         if self._is_recorded(request):
             return self._commit_response(True, "recorded")

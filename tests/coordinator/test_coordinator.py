@@ -117,12 +117,14 @@ def test_extra_workers_beyond_max_wait_as_standbys():
     assert members(c) == ["b", "c"]
 
 
-def test_same_id_from_another_address_is_refused():
+def test_same_id_from_another_address_is_refused_while_the_first_process_answers(monkeypatch):
     c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
     register(c, "a", "h:1")
     register(c, "a", "h:1")  # a retry is fine
-    with pytest.raises(grpc.RpcError, match="already registered"):
-        register(c, "a", "h:2")
+    monkeypatch.setattr(c, "_probe", lambda address: True)
+    for incarnation in ("second", ""):  # another process, or a client that does not say
+        with pytest.raises(grpc.RpcError, match="already used by a live process at h:1"):
+            register(c, "a", "h:2", incarnation=incarnation)
 
 
 def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new_worker():
@@ -426,3 +428,49 @@ def test_a_client_whose_id_was_taken_by_a_new_process_raises_worker_replaced(ser
     finally:
         old.close()
         new.close()
+
+
+def test_a_replaced_process_cannot_leave_commit_or_report_for_its_successor():
+    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    register(c, "a", incarnation="first")
+    register(c, "b", incarnation="first")
+    register(c, "a", incarnation="second")  # restarted in place
+    assert members(c) == ["b"]
+    assert commit(c, "b", 1).membership_version == 3 and members(c) == ["b", "a"]  # admitted at b's commit
+    version = c.membership.version
+    old = pb.CommitRequest(worker_id="a", membership_version=version, commit_id=2, incarnation="first")
+    assert not c.Commit(old, Context()).recorded  # the old process does not stand in for the new one
+    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=version, incarnation="first"), Context())
+    c.Leave(pb.LeaveRequest(worker_id="a", reason="exiting", incarnation="first"), Context())
+    assert c.membership.version == version and members(c) == ["b", "a"]
+    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="second"), Context()).known
+
+
+def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_its_successors_rank():
+    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    register(c, "a", incarnation="first")
+    answer = {}
+
+    def wait():
+        request = pb.GetMembershipRequest(worker_id="a", incarnation="first", wait_s=20)
+        answer["response"] = c.GetMembership(request, Context())
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not c._waiting["a"]:  # until it is blocked in the long poll
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    register(c, "a", incarnation="second")
+    register(c, "b", incarnation="first")  # the membership forms, with the new "a" in it
+    waiter.join(timeout=10)
+    assert answer["response"].replaced
+
+
+def test_after_a_coordinator_restart_an_adopted_member_relaunched_elsewhere_replaces_it(monkeypatch):
+    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    known = pb.Membership(version=4, members=[pb.Member(worker_id=w, address=f"h:{w}") for w in "ab"])
+    c.Register(pb.RegisterRequest(worker_id="b", address="h:b", membership=known, incarnation="b1"), Context())
+    monkeypatch.setattr(c, "_probe", lambda address: False)  # "a" (adopted, incarnation unknown) is gone
+    response = register(c, "a", "h:a2", incarnation="a2")
+    assert response.joins_running_job and members(c) == ["b"]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5elasticdl_strategy/transport/protos/coordinator.proto\x12\x1e\x65lasticdl_strategy.coordinator\",\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"f\n\nMembership\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x37\n\x07members\x18\x02 \x03(\x0b\x32&.elasticdl_strategy.coordinator.Member\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xcd\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12>\n\nmembership\x18\x03 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x41\n\x0blast_commit\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"_\n\x10RegisterResponse\x12\x12\n\njoin_order\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x19\n\x11joins_running_job\x18\x03 \x01(\x08\"<\n\x0c\x44\x61taPosition\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x03\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x03\"}\n\x0c\x43ommitRecord\x12\x11\n\tcommit_id\x18\x01 \x01(\x03\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12>\n\x08position\x18\x03 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\"\xa2\x01\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tcommit_id\x18\x03 \x01(\x03\x12>\n\x08position\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\"N\n\x0e\x43ommitResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x08\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"`\n\rFailureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x10\n\x08suspects\x18\x03 \x03(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"3\n\x15\x46\x61ilureReportResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\"U\n\x0b\x44\x61tasetSpec\x12\x13\n\x0bnum_records\x18\x01 \x01(\x03\x12\x12\n\nshard_size\x18\x02 \x01(\x03\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\"o\n\x10GetShardsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\x04spec\x18\x02 \x01(\x0b\x32+.elasticdl_strategy.coordinator.DatasetSpec\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"1\n\x11GetShardsResponse\x12\x0e\n\x06starts\x18\x01 \x03(\x03\x12\x0c\n\x04\x65nds\x18\x02 \x03(\x03\"e\n\x14GetMembershipRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\x80\x02\n\x15GetMembershipResponse\x12>\n\nmembership\x18\x01 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x12\n\nregistered\x18\x02 \x01(\x05\x12\x13\n\x0bmin_workers\x18\x03 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x04 \x01(\x05\x12\x41\n\x0blast_commit\x18\x05 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x14\n\x0cjob_finished\x18\x06 \x01(\x08\x12\x10\n\x08replaced\x18\x07 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"P\n\x11HeartbeatResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08replaced\x18\x03 \x01(\x08\"C\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\"+\n\rLeaveResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x32\xa4\x06\n\x0b\x43oordinator\x12m\n\x08Register\x12/.elasticdl_strategy.coordinator.RegisterRequest\x1a\x30.elasticdl_strategy.coordinator.RegisterResponse\x12|\n\rGetMembership\x12\x34.elasticdl_strategy.coordinator.GetMembershipRequest\x1a\x35.elasticdl_strategy.coordinator.GetMembershipResponse\x12p\n\tHeartbeat\x12\x30.elasticdl_strategy.coordinator.HeartbeatRequest\x1a\x31.elasticdl_strategy.coordinator.HeartbeatResponse\x12\x64\n\x05Leave\x12,.elasticdl_strategy.coordinator.LeaveRequest\x1a-.elasticdl_strategy.coordinator.LeaveResponse\x12g\n\x06\x43ommit\x12-.elasticdl_strategy.coordinator.CommitRequest\x1a..elasticdl_strategy.coordinator.CommitResponse\x12u\n\rReportFailure\x12-.elasticdl_strategy.coordinator.FailureReport\x1a\x35.elasticdl_strategy.coordinator.FailureReportResponse\x12p\n\tGetShards\x12\x30.elasticdl_strategy.coordinator.GetShardsRequest\x1a\x31.elasticdl_strategy.coordinator.GetShardsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5elasticdl_strategy/transport/protos/coordinator.proto\x12\x1e\x65lasticdl_strategy.coordinator\",\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"f\n\nMembership\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x37\n\x07members\x18\x02 \x03(\x0b\x32&.elasticdl_strategy.coordinator.Member\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xcd\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12>\n\nmembership\x18\x03 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x41\n\x0blast_commit\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"_\n\x10RegisterResponse\x12\x12\n\njoin_order\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x19\n\x11joins_running_job\x18\x03 \x01(\x08\"<\n\x0c\x44\x61taPosition\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x03\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x03\"}\n\x0c\x43ommitRecord\x12\x11\n\tcommit_id\x18\x01 \x01(\x03\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12>\n\x08position\x18\x03 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\"\xb7\x01\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tcommit_id\x18\x03 \x01(\x03\x12>\n\x08position\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"N\n\x0e\x43ommitResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x08\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"u\n\rFailureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x10\n\x08suspects\x18\x03 \x03(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"3\n\x15\x46\x61ilureReportResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\"U\n\x0b\x44\x61tasetSpec\x12\x13\n\x0bnum_records\x18\x01 \x01(\x03\x12\x12\n\nshard_size\x18\x02 \x01(\x03\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\"o\n\x10GetShardsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\x04spec\x18\x02 \x01(\x0b\x32+.elasticdl_strategy.coordinator.DatasetSpec\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"1\n\x11GetShardsResponse\x12\x0e\n\x06starts\x18\x01 \x03(\x03\x12\x0c\n\x04\x65nds\x18\x02 \x03(\x03\"e\n\x14GetMembershipRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\x80\x02\n\x15GetMembershipResponse\x12>\n\nmembership\x18\x01 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x12\n\nregistered\x18\x02 \x01(\x05\x12\x13\n\x0bmin_workers\x18\x03 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x04 \x01(\x05\x12\x41\n\x0blast_commit\x18\x05 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x14\n\x0cjob_finished\x18\x06 \x01(\x08\x12\x10\n\x08replaced\x18\x07 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"P\n\x11HeartbeatResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08replaced\x18\x03 \x01(\x08\"X\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"+\n\rLeaveResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x32\xa4\x06\n\x0b\x43oordinator\x12m\n\x08Register\x12/.elasticdl_strategy.coordinator.RegisterRequest\x1a\x30.elasticdl_strategy.coordinator.RegisterResponse\x12|\n\rGetMembership\x12\x34.elasticdl_strategy.coordinator.GetMembershipRequest\x1a\x35.elasticdl_strategy.coordinator.GetMembershipResponse\x12p\n\tHeartbeat\x12\x30.elasticdl_strategy.coordinator.HeartbeatRequest\x1a\x31.elasticdl_strategy.coordinator.HeartbeatResponse\x12\x64\n\x05Leave\x12,.elasticdl_strategy.coordinator.LeaveRequest\x1a-.elasticdl_strategy.coordinator.LeaveResponse\x12g\n\x06\x43ommit\x12-.elasticdl_strategy.coordinator.CommitRequest\x1a..elasticdl_strategy.coordinator.CommitResponse\x12u\n\rReportFailure\x12-.elasticdl_strategy.coordinator.FailureReport\x1a\x35.elasticdl_strategy.coordinator.FailureReportResponse\x12p\n\tGetShards\x12\x30.elasticdl_strategy.coordinator.GetShardsRequest\x1a\x31.elasticdl_strategy.coordinator.GetShardsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITRECORD']._serialized_start=606
   _globals['_COMMITRECORD']._serialized_end=731
   _globals['_COMMITREQUEST']._serialized_start=734
-  _globals['_COMMITREQUEST']._serialized_end=896
-  _globals['_COMMITRESPONSE']._serialized_start=898
-  _globals['_COMMITRESPONSE']._serialized_end=976
-  _globals['_FAILUREREPORT']._serialized_start=978
-  _globals['_FAILUREREPORT']._serialized_end=1074
-  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1076
-  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1127
-  _globals['_DATASETSPEC']._serialized_start=1129
-  _globals['_DATASETSPEC']._serialized_end=1214
-  _globals['_GETSHARDSREQUEST']._serialized_start=1216
-  _globals['_GETSHARDSREQUEST']._serialized_end=1327
-  _globals['_GETSHARDSRESPONSE']._serialized_start=1329
-  _globals['_GETSHARDSRESPONSE']._serialized_end=1378
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1380
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1481
-  _globals['_GETMEMBERSHIPRESPONSE']._serialized_start=1484
-  _globals['_GETMEMBERSHIPRESPONSE']._serialized_end=1740
-  _globals['_HEARTBEATREQUEST']._serialized_start=1742
-  _globals['_HEARTBEATREQUEST']._serialized_end=1828
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1830
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1910
-  _globals['_LEAVEREQUEST']._serialized_start=1912
-  _globals['_LEAVEREQUEST']._serialized_end=1979
-  _globals['_LEAVERESPONSE']._serialized_start=1981
-  _globals['_LEAVERESPONSE']._serialized_end=2024
-  _globals['_COORDINATOR']._serialized_start=2027
-  _globals['_COORDINATOR']._serialized_end=2831
+  _globals['_COMMITREQUEST']._serialized_end=917
+  _globals['_COMMITRESPONSE']._serialized_start=919
+  _globals['_COMMITRESPONSE']._serialized_end=997
+  _globals['_FAILUREREPORT']._serialized_start=999
+  _globals['_FAILUREREPORT']._serialized_end=1116
+  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1118
+  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1169
+  _globals['_DATASETSPEC']._serialized_start=1171
+  _globals['_DATASETSPEC']._serialized_end=1256
+  _globals['_GETSHARDSREQUEST']._serialized_start=1258
+  _globals['_GETSHARDSREQUEST']._serialized_end=1369
+  _globals['_GETSHARDSRESPONSE']._serialized_start=1371
+  _globals['_GETSHARDSRESPONSE']._serialized_end=1420
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1422
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1523
+  _globals['_GETMEMBERSHIPRESPONSE']._serialized_start=1526
+  _globals['_GETMEMBERSHIPRESPONSE']._serialized_end=1782
+  _globals['_HEARTBEATREQUEST']._serialized_start=1784
+  _globals['_HEARTBEATREQUEST']._serialized_end=1870
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1872
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1952
+  _globals['_LEAVEREQUEST']._serialized_start=1954
+  _globals['_LEAVEREQUEST']._serialized_end=2042
+  _globals['_LEAVERESPONSE']._serialized_start=2044
+  _globals['_LEAVERESPONSE']._serialized_end=2087
+  _globals['_COORDINATOR']._serialized_start=2090
+  _globals['_COORDINATOR']._serialized_end=2894
 # @@protoc_insertion_point(module_scope)
