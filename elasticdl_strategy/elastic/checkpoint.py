@@ -13,6 +13,7 @@ leaves the previous checkpoint usable.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import shutil
@@ -59,13 +60,14 @@ class CheckpointStore:
         _fsync_files_and_directory(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        _fsync_directory(self.directory)  # the checkpoint's name, before "latest" points to it
         latest_tmp = os.path.join(self.directory, f".{_LATEST}.tmp")
         with open(latest_tmp, "w") as f:
             f.write(name)
             f.flush()
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(self.directory, _LATEST))
-        _fsync_directory(self.directory)  # both renames
+        _fsync_directory(self.directory)
         self._prune(keep_name=name)
         return final
 
@@ -114,6 +116,9 @@ def _fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise  # some filesystems (network, FUSE) cannot sync a directory: their renames are as durable as they get
     finally:
         os.close(fd)
 

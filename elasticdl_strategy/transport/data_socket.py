@@ -33,6 +33,7 @@ from elasticdl_strategy.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 TICKET_BYTES = 32
+_ACCEPTED = b"\x01"  # the listener's answer to a valid ticket, before the sender commits to the socket
 _LENGTH = struct.Struct("<I")
 # Connections still to present their ticket, at most: more are closed at once (a flood of
 # connections that send nothing must not pile up threads).
@@ -145,10 +146,11 @@ def connect(
     server_name: Optional[str] = None,
 ) -> FrameSocket:
     """Connects to a receiver's :class:`DataSocketListener` (over ``tls`` when given,
-    verifying ``server_name`` or else ``host``) and presents ``ticket``.
+    verifying ``server_name`` or else ``host``), presents ``ticket`` and waits for it to be accepted.
 
     Raises:
-        OSError: no connection within ``timeout`` (ssl.SSLError: the TLS handshake failed).
+        OSError: no accepted connection within ``timeout`` (ConnectionRefusedError: the
+            listener refused the ticket; ssl.SSLError: the TLS handshake failed).
     """
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
@@ -156,6 +158,8 @@ def connect(
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
         sock.sendall(ticket)
+        if sock.recv(1) != _ACCEPTED:
+            raise ConnectionRefusedError(f"{host}:{port} refused the data connection")
     except OSError:
         sock.close()
         raise
@@ -232,6 +236,8 @@ class DataSocketListener:
         if not arrived or frames is None:
             if frames is not None:
                 frames.close()
+            if self._closed:
+                raise TimeoutError("the data socket listener is closed")
             raise TimeoutError(f"no data socket presented its ticket within {timeout:g}s")
         return frames
 
@@ -293,8 +299,12 @@ class DataSocketListener:
         with self._cond:
             accepted = len(ticket) == TICKET_BYTES and ticket in self._expected and self._expected[ticket] is None
             if accepted:
-                self._expected[ticket] = FrameSocket(conn, self._max_frame)
-                self._cond.notify_all()
+                try:
+                    conn.sendall(_ACCEPTED)  # one byte into an empty send buffer: does not block
+                    self._expected[ticket] = FrameSocket(conn, self._max_frame)
+                    self._cond.notify_all()
+                except OSError:
+                    accepted = False
         if not accepted:
             logger.warning("refused a data connection from %s: no valid ticket", peer[0])
             conn.close()

@@ -45,6 +45,9 @@ ABORT_METHOD = f"/{SERVICE_NAME}/Abort"
 _IDLE_POLL_S = 1.0
 # How long the first message waits for the peer to answer a shared-memory offer or data socket request.
 _ANSWER_TIMEOUT_S = 10.0
+# At most this long to connect a data socket (and have its ticket accepted) before staying on gRPC:
+# a firewalled data port must not hold up every stream of every membership for long.
+_DATA_CONNECT_TIMEOUT_S = 3.0
 # Payload bytes read from a data socket before they are handed on (reduced or copied). Measured
 # (N = 2, alternating runs): 256 MiB 152-162 ms with 4 MiB pieces, 181-187 with 1 MiB, 198 with 256 KiB.
 _SOCKET_PIECE = 1 << 22
@@ -361,7 +364,7 @@ class OutboundStream:
                 self._data_host,
                 answer.data_socket_port,
                 answer.data_socket_ticket,
-                options.connect_timeout_s,
+                min(options.connect_timeout_s, _DATA_CONNECT_TIMEOUT_S),
                 options.keepalive_s,
                 options.message_limit,
                 tls=options.tls.client_ssl_context() if options.tls is not None else None,
@@ -369,7 +372,8 @@ class OutboundStream:
             )
         except OSError as e:
             logger.warning(
-                "rank %d: cannot connect a data socket to rank %d at %s:%d (%s); sending over gRPC",
+                "rank %d: cannot connect a data socket to rank %d at %s:%d (%s); sending over gRPC "
+                "(open that port between workers, or set EDL_DATA_SOCKET=0)",
                 self._self_rank,
                 self._peer_rank,
                 self._data_host,
@@ -503,7 +507,7 @@ class PeerService:
             receiver = self._listener.open_stream(first.hello)
         except (StopIteration, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stream rejected: {e}")
-        hello, arena, ticket = first.hello, None, None
+        hello, arena, ticket, answer = first.hello, None, None, None
         if hello.HasField("shared_memory") or hello.data_socket:
             answer = peer_pb2.TransferReply()
             if hello.HasField("shared_memory"):
@@ -512,10 +516,11 @@ class PeerService:
             if hello.data_socket and self._data_sockets is not None:
                 ticket = self._data_sockets.expect()
                 answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket
-            yield answer
         error: Optional[str] = "the stream ended without a goodbye (the sender died or lost its connection)"
         goodbye = None
         try:
+            if answer is not None:
+                yield answer  # inside the try: if gRPC drops the call here, the cleanup below still runs
             goodbye = yield from self._receive(frame_iterator, receiver, arena, lambda: self._attach(ticket, context))
             error = None
         except (grpc.RpcError, DataSocketClosed):

@@ -70,6 +70,13 @@ def test_a_connection_without_a_valid_ticket_is_closed_and_changes_nothing(liste
     sender.close()
 
 
+def test_a_sender_learns_at_once_that_its_ticket_was_refused(listener):
+    started = time.monotonic()
+    with pytest.raises(ConnectionRefusedError, match="refused the data connection"):
+        connect("127.0.0.1", listener.port, secrets.token_bytes(TICKET_BYTES), 5.0, 2.0, MAX_FRAME)
+    assert time.monotonic() - started < 2.0  # so it stays on gRPC instead of attaching a dead socket
+
+
 def test_a_ticket_is_good_for_one_connection_only(listener):
     ticket = listener.expect()
     first = connect("127.0.0.1", listener.port, ticket, timeout=5.0, keepalive_s=2.0, max_frame=MAX_FRAME)
@@ -209,14 +216,12 @@ def test_connections_that_never_present_a_ticket_cannot_pile_up(monkeypatch):
         ticket = listener.expect()
         deadline = time.monotonic() + 5.0
         while True:  # the slots free as the silent connections' EOFs are read
-            sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, MAX_FRAME)
             try:
-                listener.claim(ticket, timeout=0.5).close()
+                sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, MAX_FRAME)
                 break
-            except TimeoutError:
-                sender.close()
+            except ConnectionRefusedError:  # turned away, and told so: the stream stays on gRPC
                 assert time.monotonic() < deadline, "the admission slots were never freed"
-                ticket = listener.expect()
+        listener.claim(ticket, timeout=5.0).close()
         sender.close()
     finally:
         for s in silent:
