@@ -109,7 +109,9 @@ class ReduceSink(Sink):
 class _Entry:
     """One message, from arrival or posting to completion."""
 
-    __slots__ = ("src", "channel", "lock", "header", "sink", "buffered", "arrived", "future", "on_complete")
+    __slots__ = (
+        "src", "channel", "lock", "header", "sink", "buffered", "arrived", "future", "on_complete", "lent", "failure"
+    )  # fmt: skip
 
     def __init__(self, src: int, channel: int, on_complete: Callable[[int], None]):
         self.on_complete = on_complete
@@ -121,11 +123,18 @@ class _Entry:
         self.buffered: List[Tuple[int, memoryview]] = []
         self.arrived = False  # every byte has been received
         self.future: futures.Future = futures.Future()
+        self.lent = 0  # views from target() that the transport is still reading into
+        # A failure that waits for those views to come back before it completes the future: until
+        # then bytes may still land in the receive's buffer, which the caller must not reuse yet.
+        self.failure: Optional[BaseException] = None
+
+    def _ended(self) -> bool:
+        return self.future.done() or self.failure is not None
 
     # Called by the stream receiver (MessageWriter protocol).
     def write(self, offset: int, data: memoryview, borrowed: bool = False) -> None:
         with self.lock:
-            if self.future.done():
+            if self._ended():
                 return  # failed: drop the rest of the message
             if self.sink is None:
                 # A borrowed view (a shared-memory slot) is reused once this returns.
@@ -137,13 +146,24 @@ class _Entry:
         """Where the transport may read bytes ``offset .. offset + nbytes`` straight into
         (the receive's own buffer), or ``None``: then they go through :meth:`write`.
 
-        Only offered while the receive is posted and pending, so bytes land in a
-        buffer whose receive has not returned (a failed receive's buffer is undefined).
+        Only offered while the receive is posted and pending; call :meth:`target_done`
+        once the transport stops reading into the view. A receive that fails meanwhile
+        completes only then, so no byte lands in a buffer whose receive has returned.
         """
         with self.lock:
-            if self.sink is None or self.future.done():
+            if self.sink is None or self._ended():
                 return None
-            return self.sink.target(offset, nbytes)
+            view = self.sink.target(offset, nbytes)
+            if view is not None:
+                self.lent += 1
+            return view
+
+    def target_done(self) -> None:
+        """The transport stopped reading into a view from :meth:`target` (filled, or its connection broke)."""
+        with self.lock:
+            self.lent -= 1
+            if self.lent == 0 and self.failure is not None and not self.future.done():
+                self.future.set_exception(self.failure)
 
     def finish(self) -> None:
         with self.lock:
@@ -168,23 +188,28 @@ class _Entry:
 
     def fail(self, error: BaseException) -> bool:
         with self.lock:
-            if self.future.done():
+            if self._ended():
                 return False
-            self.future.set_exception(error)
-            self.buffered = []
+            self._set_failure(error)
             return True
 
+    def _set_failure(self, error: BaseException) -> None:
+        self.buffered = []
+        if self.lent:
+            self.failure = error  # completed by target_done
+        else:
+            self.future.set_exception(error)
+
     def _apply(self, step: Callable, *args) -> None:
-        if self.future.done():
+        if self._ended():
             return
         try:
             step(*args)
         except CommunicationError as e:
-            self.future.set_exception(e)
-            self.buffered = []
+            self._set_failure(e)
 
     def _complete_if_ready(self) -> None:
-        if self.arrived and self.sink is not None and not self.future.done():
+        if self.arrived and self.sink is not None and not self._ended():
             self.on_complete(self.header.nbytes)
             self.future.set_result(self.sink.result())
 

@@ -430,7 +430,11 @@ class MessageWriter(Protocol):
 
     def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
         """A writable view where bytes ``offset .. offset + nbytes`` may be read directly
-        (they then count as written), or ``None``: use :meth:`write`."""
+        (they then count as written), or ``None``: use :meth:`write`. Every view handed
+        out must be followed by :meth:`target_done`."""
+
+    def target_done(self) -> None:
+        """Reading into the last view from :meth:`target` ended (filled, or the connection broke)."""
 
     def finish(self) -> None:
         """All bytes of the message were written."""
@@ -634,7 +638,10 @@ class PeerService:
                     n = min(len(scratch), header.nbytes - offset)
                     target = writer.target(offset, n)
                     if target is not None:
-                        data_socket.recv_into(target)  # straight into the receive's buffer
+                        try:
+                            data_socket.recv_into(target)  # straight into the receive's buffer
+                        finally:
+                            writer.target_done()
                         continue
                     data_socket.recv_into(scratch[:n])
                     writer.write(offset, scratch[:n], borrowed=True)

@@ -40,3 +40,18 @@ def test_a_message_that_arrived_before_an_abort_is_not_handed_to_a_later_receive
         1, peer_pb2.MessageHeader(channel=0, tag=0, sequence=0, nbytes=0, dtype="uint8", shape=[0])
     ).finish()
     assert mailbox.post(1, 0, 0, ArraySink(2))[0].result(timeout=5).size == 0
+
+
+def test_a_receive_that_fails_while_the_transport_reads_into_its_buffer_completes_only_after():
+    mailbox = Mailbox(rank=0)
+    out = np.zeros(8, np.uint8)
+    future, _ = mailbox.post(1, 0, 0, ArraySink(0, out))
+    entry = mailbox.deliver(1, peer_pb2.MessageHeader(channel=0, tag=0, sequence=0, nbytes=8, dtype="uint8", shape=[8]))
+    view = entry.target(0, 8)  # the transport starts reading from its socket into the buffer
+    assert entry.fail(PeerFailureError("rank 1 failed", peer_rank=1, rank=0))
+    assert not future.done()  # the caller must not get its buffer back while bytes may still land in it
+    assert entry.target(0, 8) is None  # and nothing more is lent
+    view[:] = b"late-byt"
+    entry.target_done()
+    with pytest.raises(PeerFailureError, match="rank 1 failed"):
+        future.result(timeout=1)
