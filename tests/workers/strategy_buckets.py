@@ -22,6 +22,7 @@ from elasticdl_strategy import AllReduceStrategy, collective
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.strategy import bridge
 from tests.workers.report import write_report
+from tests.workers.train_step import make_step
 
 GLOBAL_BATCH = 48
 ROWS = 240
@@ -76,16 +77,7 @@ def train_custom(strategy, eager: bool):
         optimizer = keras.optimizers.Adam(0.01)
     dataset = strategy.experimental_distribute_dataset(data())
 
-    def step(x, y):
-        def replica_fn(x, y):
-            with tf.GradientTape() as tape:
-                per_example = tf.reduce_mean((model(x) - y) ** 2, axis=-1)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            return loss
-
-        return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y)), axis=None)
+    step = make_step(strategy, model, optimizer, GLOBAL_BATCH)
 
     if not eager:
         step = tf.function(step)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, collective
 from tests.workers.report import write_report
+from tests.workers.train_step import make_step
 
 # Divisible by 2 and 3, and so is the number of rows: every worker gets equal shares.
 GLOBAL_BATCH = 48
@@ -54,17 +55,7 @@ def train_custom(strategy):
         model, optimizer = build()
     dataset = strategy.experimental_distribute_dataset(data())
 
-    @tf.function
-    def step(x, y):
-        def replica_fn(x, y):
-            with tf.GradientTape() as tape:
-                per_example = tf.reduce_mean((model(x) - y) ** 2, axis=-1)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            return loss
-
-        return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y)), axis=None)
+    step = tf.function(make_step(strategy, model, optimizer, GLOBAL_BATCH))
 
     step(*next(iter(dataset)))  # trace outside the count (and take one step)
     before = collective.communicator().p2p.messages_sent
