@@ -232,18 +232,10 @@ class OutboundStream:
                 if not self._send_on_socket(header, payload):
                     return  # the stream broke: this message was failed with it
             elif len(payload) and self._arena_accepted:
-                piece = self._arena.slot_size
-                for offset in range(0, len(payload), piece):
-                    slot = self._free_slot()
-                    if slot is None:
+                for frame in self._shared_frames(header, payload):
+                    if frame is None:
                         return  # the stream broke: _on_call_done fails this message
-                    nbytes = self._arena.fill(slot, payload[offset : offset + piece])
-                    self.shared_bytes_sent += nbytes
-                    if offset == 0:
-                        header.shared_chunk.slot, header.shared_chunk.nbytes = slot, nbytes
-                        yield frames.encode_header(header)
-                    else:
-                        yield frames.encode_shared_chunk(slot, nbytes)
+                    yield frame
             elif 0 < len(payload) <= message.chunk_size:
                 yield frames.encode_whole_message(payload, header)
             else:
@@ -261,21 +253,27 @@ class OutboundStream:
         arena's slots with only their frames on the socket. False once the stream is broken."""
         if not (len(payload) > _RAW_ON_SOCKET_MAX_BYTES and self._arena_accepted):
             return self._write_to_socket(frames.encode_header(header), payload)
+        for frame in self._shared_frames(header, payload):
+            if frame is None or not self._write_to_socket(frame):
+                return False
+        return True
+
+    def _shared_frames(self, header: peer_pb2.MessageHeader, payload: memoryview) -> Iterator[Optional[bytes]]:
+        """The frames of a message whose payload goes through the arena, each slot filled when it is
+        free (the first piece rides in the header); ``None`` when the stream broke while waiting."""
         piece = self._arena.slot_size
         for offset in range(0, len(payload), piece):
             slot = self._free_slot()
             if slot is None:
-                return False
+                yield None
+                return
             nbytes = self._arena.fill(slot, payload[offset : offset + piece])
             self.shared_bytes_sent += nbytes
             if offset == 0:
                 header.shared_chunk.slot, header.shared_chunk.nbytes = slot, nbytes
-                frame = frames.encode_header(header)
+                yield frames.encode_header(header)
             else:
-                frame = frames.encode_shared_chunk(slot, nbytes)
-            if not self._write_to_socket(frame):
-                return False
-        return True
+                yield frames.encode_shared_chunk(slot, nbytes)
 
     def _write_to_socket(self, frame: bytes, payload: Optional[memoryview] = None) -> bool:
         """Writes a frame (and its payload) on the data socket; False, with the stream failed, if it broke."""
