@@ -469,7 +469,12 @@ class Communicator:
         request: Optional[peer_pb2.AbortRequest] = None,
     ) -> None:
         """Fails the current and every later collective; tells the peers unless ``kind`` is None
-        (an abort that came from a peer, which told everyone itself)."""
+        (an abort that came from a peer, which told everyone itself).
+
+        The channel is failed while the lock is held: a stream thread that finds the
+        communicator aborted (its own mismatch check calls here too) may deliver its message
+        only after that, so no receive is handed a mismatched message instead of the abort.
+        """
         with self._lock:
             if self._error_factory is not None:
                 return
@@ -481,8 +486,8 @@ class Communicator:
                 reason=reason,
                 ranks=list(ranks),
             )
+            self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
         logger.error("rank %d: collectives aborted: %s", self.rank, reason)
-        self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
         active = self._active
         if active is not None:  # a send stuck behind a dead or silent peer must not hold the caller
             for request in list(active.sends):

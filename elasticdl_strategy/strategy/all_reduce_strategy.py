@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import warnings
 from typing import Iterable, Optional
 
 import numpy as np
@@ -17,7 +18,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
-from elasticdl_strategy.strategy import bridge, keras_compat
+from elasticdl_strategy.strategy import bridge, checkpoints, keras_compat
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -105,6 +106,7 @@ class AllReduceStrategy(distribute_lib.Strategy):
 
             keras.config.disable_interactive_logging()
         keras_compat.install(AllReduceStrategy)
+        checkpoints.install()
         self._save_on_all_ranks = save_on_all_ranks
 
     @property
@@ -116,6 +118,24 @@ class AllReduceStrategy(distribute_lib.Strategy):
     def writes_files(self) -> bool:
         """Whether this worker writes in ``Model.save``/``save_weights``/``ModelCheckpoint``."""
         return self._save_on_all_ranks or collective.rank() == 0
+
+    _warned_run_v2 = False
+
+    def experimental_run_v2(self, fn, args=(), kwargs=None, options=None):
+        """TensorFlow 2.0 and 2.1's name for :meth:`run`; warns once that it is deprecated.
+
+        Example (the step of TensorFlow 2.0's distributed training guide)::
+
+            per_replica_losses = strategy.experimental_run_v2(step_fn, args=(dist_inputs,))
+        """
+        if not AllReduceStrategy._warned_run_v2:
+            AllReduceStrategy._warned_run_v2 = True
+            warnings.warn(
+                "experimental_run_v2 is TensorFlow 2.0's name for run (renamed in TensorFlow 2.2): call strategy.run",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return self.run(fn, args=args, kwargs=kwargs, options=options)
 
     def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
         """Assigns ``root``'s values of ``variables`` on every worker (same order everywhere)."""

@@ -9,11 +9,13 @@ the order of the ring all-reduces, one per bucket.
 
 Inside a ``tf.function`` every bucket crosses into Python through its own
 stateful ``tf.numpy_function`` (~0.3 ms a call; ``py_function`` costs ~5 ms)
-whose inputs are that bucket's tensors only. TensorFlow's automatic control
-dependencies chain stateful ops that take no resource in program order, so the
-buckets run in plan order on every rank (``tests/strategy/test_buckets.py``
+whose inputs are that bucket's tensors only. Every collective op of a graph is
+ordered by :mod:`~elasticdl_strategy.strategy.ordering`'s token, so the buckets
+(and every other collective, in whatever function, branch or loop iteration it
+lies) run in program order on every rank (``tests/strategy/test_buckets.py``
 checks the chain in the traced graph), and bucket k starts as soon as ITS
-gradients exist, while backprop still computes the earlier layers' ones.
+gradients exist and bucket k-1 is done, while backprop still computes the
+earlier layers' ones.
 Eagerly, the ring is called directly, bucket after bucket.
 
 A bucket is packed into a staging buffer kept between calls (keyed by the
@@ -44,6 +46,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CommunicationError, ConfigError
+from elasticdl_strategy.strategy import ordering
 from elasticdl_strategy.strategy.tf_compat import control_flow_util, ops
 
 # The fastest of 4, 16 and 64 MiB for the MLP of benchmarks/train_step.py on 2 cores (one bucket).
@@ -354,21 +357,22 @@ def all_reduce_tensors(
     results: List[tf.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for members, plan in groups:
         inputs = [tensors[i] for i in members]
-        outputs = tf.numpy_function(
-            _briefly(
-                functools.partial(_reduce_call, plan=plan, op=op, timeout=timeout, compression=compression, uses=uses)
-            ),
-            inputs,
-            [t.dtype for t in inputs],
-            stateful=True,
-            name="elasticdl_allreduce",
+        reduce = _briefly(
+            functools.partial(_reduce_call, plan=plan, op=op, timeout=timeout, compression=compression, uses=uses)
         )
-        if not isinstance(outputs, (list, tuple)):
-            outputs = [outputs]
+        outputs = ordering.ordered(
+            lambda inputs=inputs, reduce=reduce: _as_list(
+                tf.numpy_function(reduce, inputs, [t.dtype for t in inputs], stateful=True, name="elasticdl_allreduce")
+            )
+        )
         for i, output in zip(members, outputs, strict=True):
             output.set_shape(tensors[i].shape)
             results[i] = output
     return results
+
+
+def _as_list(outputs) -> List[tf.Tensor]:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
 def _reduce_call(*arrays, plan, op, timeout, compression, uses):
@@ -386,7 +390,9 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = N
     if tf.executing_eagerly():
         return tf.convert_to_tensor(gather(tensor.numpy()))
     _check_not_xla()
-    output = tf.numpy_function(_briefly(gather), [tensor], tensor.dtype, stateful=True, name="elasticdl_allgather")
+    (output,) = ordering.ordered(
+        lambda: [tf.numpy_function(_briefly(gather), [tensor], tensor.dtype, stateful=True, name="elasticdl_allgather")]
+    )
     shape = tensor.shape.as_list()
     if shape:
         shape[axis] = None
@@ -397,14 +403,16 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = N
 def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str, timeout: Optional[float] = None) -> tf.IndexedSlices:
     """Reduces a sparse gradient (e.g. of an embedding) by all-gathering its rows.
 
-    Rows with the same index are summed locally first, so each worker sends
-    every touched row once; the result lists every worker's rows in rank
-    order (an index may repeat across workers: sparse updates add them up).
+    The result lists every worker's rows in rank order, which is the order of
+    the global batch (each worker holds a contiguous share of it): the very
+    IndexedSlices one process computes on the global batch, an id repeated in
+    the batch appearing once per occurrence. Rows are not summed per id first:
+    sparse updates of Adam, Adagrad and RMSprop square each occurrence's row
+    (then add them up), so a sum made first trains another model than one
+    process. The wire cost is the rows the batch touched, occurrences counted.
     """
-    unique, positions = tf.unique(tf.cast(slices.indices, tf.int64))
-    values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(unique)[0])
-    indices = all_gather_tensor(unique, axis=0, timeout=timeout)
-    values = all_gather_tensor(values, axis=0, timeout=timeout)
+    indices = all_gather_tensor(tf.cast(slices.indices, tf.int64), axis=0, timeout=timeout)
+    values = all_gather_tensor(slices.values, axis=0, timeout=timeout)
     if op == "mean":
         values = values / tf.cast(collective.size(), values.dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)

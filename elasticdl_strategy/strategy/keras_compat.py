@@ -12,6 +12,8 @@
   step (Keras does it for MultiWorkerMirroredStrategy only); each worker's
   running means cover equal shares of every batch, so their mean is the
   global value. Epoch logs come from the sync-on-read metric variables.
+- numpy/pandas inputs with ``shuffle=True``: the same order of rows on every
+  worker, new every epoch (Keras' unseeded shuffle drew one per worker).
 - Building before ``fit``/``evaluate``: Keras takes a first batch to build
   the model and metrics, and for a distributed dataset averages it over the
   replicas, a collective whose shapes differ when the workers' shares of a
@@ -26,6 +28,12 @@
   rank 0 only, unless the strategy was made with ``save_on_all_ranks=True``;
   the other workers return without writing.
 
+- Loss scale for distribution: Keras multiplies each worker's loss by
+  1/replicas computed in float32 (1/3 off by 3e-8 in a float64 model);
+  under an AllReduceStrategy the factor is computed in the loss's dtype.
+- Loss scaling (``LossScaleOptimizer``, mixed precision): gradients are
+  all-reduced before the finiteness check, so every worker applies or skips
+  the step alike (Keras 3 judges each worker's own gradients).
 - Gradient aggregation: in a job of several workers, the Keras optimizer's
   gradient all-reduce refuses to run outside an AllReduceStrategy replica
   context (a model, optimizer or train step outside ``strategy.scope()`` /
@@ -40,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,15 @@ def install(strategy_class: type) -> bool:
     TFOptimizer._all_reduce_sum_gradients = _checked_gradient_reduction(
         TFOptimizer._all_reduce_sum_gradients, strategy_class
     )
+    from keras.src.losses import loss as loss_module
+
+    loss_module.scale_loss_for_distribution = _exact_loss_scale(loss_module.scale_loss_for_distribution, strategy_class)
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    LossScaleOptimizer._tf_apply = _loss_scaling_on_reduced_gradients(LossScaleOptimizer._tf_apply, strategy_class)
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    ArrayDataAdapter.get_tf_dataset = _shuffled_alike_on_every_worker(ArrayDataAdapter.get_tf_dataset)
     from keras.src.trainers.epoch_iterator import EpochIterator
 
     trainer.TensorFlowTrainer._maybe_symbolic_build = _build_from_local_batch(
@@ -106,6 +124,8 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
 
     @functools.wraps(reduce_gradients)
     def wrapper(optimizer, grads_and_vars):
+        if getattr(_reduced_already, "depth", 0):
+            return list(grads_and_vars)
         if collective.is_initialized() and collective.size() > 1:
             if not isinstance(optimizer._distribution_strategy, strategy_class):
                 raise ConfigError(
@@ -120,6 +140,111 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
                     "Call it inside strategy.run(step_fn, ...), and build the model under strategy.scope()"
                 )
         return reduce_gradients(optimizer, grads_and_vars)
+
+    return wrapper
+
+
+def _exact_loss_scale(scale_loss_for_distribution, strategy_class: type):
+    """Scales a loss by 1/replicas in the loss's dtype: Keras makes the factor a float32 tensor
+    first, so a float64 model on 3 workers trained with gradients 3e-8 too large."""
+    import tensorflow as tf
+
+    @functools.wraps(scale_loss_for_distribution)
+    def wrapper(value):
+        strategy = tf.distribute.get_strategy()
+        if isinstance(strategy, strategy_class) and strategy.num_replicas_in_sync > 1:
+            return value * tf.constant(1.0 / strategy.num_replicas_in_sync, dtype=value.dtype)
+        return scale_loss_for_distribution(value)
+
+    return wrapper
+
+
+def _shuffled_alike_on_every_worker(get_tf_dataset):
+    """numpy/pandas inputs to ``fit(shuffle=True)``: one order of the rows per epoch, the same on every worker.
+
+    Keras shuffles them with an unseeded ``tf.random.shuffle`` (of the row
+    indices per epoch, or within each batch for ``shuffle="batch"``): every
+    worker drew its own order, and of each global batch it kept its share of
+    its own order, so some rows trained twice an epoch and others never. In a
+    job of several workers the shuffles of the dataset built here are
+    stateless shuffles seeded by rank 0's random seed (broadcast once, when
+    ``fit`` builds its dataset) and a counter that every shuffle advances: a new
+    order every epoch, as in one process, identical on every worker, so each
+    row is used once per epoch. The user seeds nothing.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from elasticdl_strategy import collective
+    from elasticdl_strategy.strategy.tf_compat import resource_variable_ops
+
+    @functools.wraps(get_tf_dataset)
+    def wrapper(adapter):
+        if not adapter._shuffle or not collective.is_initialized() or collective.size() == 1:
+            return get_tf_dataset(adapter)
+        mine = np.random.default_rng().integers(0, 2**62, size=1, dtype=np.int64)
+        seed = int(collective.communicator().broadcast(mine, root=0)[0])
+        with tf.init_scope(), tf.device("/cpu:0"):
+            shuffles = resource_variable_ops.ResourceVariable(0, dtype=tf.int64, trainable=False)
+
+        def shuffle(value, *_ignored, **_ignored_too):
+            count = shuffles.assign_add(1)
+            return tf.random.experimental.stateless_shuffle(value, seed=tf.stack([tf.constant(seed, tf.int64), count]))
+
+        unseeded, tf.random.shuffle = tf.random.shuffle, shuffle
+        try:  # Keras traces its dataset functions here, reading tf.random.shuffle as it does
+            return get_tf_dataset(adapter)
+        finally:
+            tf.random.shuffle = unseeded
+
+    return wrapper
+
+
+# Set while a LossScaleOptimizer applies gradients it has all-reduced itself.
+_reduced_already = threading.local()
+
+
+@contextlib.contextmanager
+def _gradients_reduced():
+    _reduced_already.depth = getattr(_reduced_already, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _reduced_already.depth -= 1
+
+
+def _loss_scaling_on_reduced_gradients(tf_apply, strategy_class: type):
+    """Makes a LossScaleOptimizer's apply-or-skip decision global: judged on the reduced gradients.
+
+    Keras 3 checks the finiteness of each worker's own gradients, then applies
+    (and all-reduces) or skips: a worker whose gradients alone overflowed skipped
+    the all-reduce the others were waiting in. Here the gradients are all-reduced
+    first, every worker checks the same sums, and the inner optimizer applies
+    them without reducing again, so all apply or all skip (and halve the scale).
+    """
+    import tensorflow as tf
+
+    @functools.wraps(tf_apply)
+    def wrapper(optimizer, grads, trainable_variables=None):
+        strategy = tf.distribute.get_strategy()
+        context = tf.distribute.get_replica_context()
+        if not isinstance(strategy, strategy_class) or strategy.num_replicas_in_sync == 1 or context is None:
+            return tf_apply(optimizer, grads, trainable_variables)
+        variables = trainable_variables or optimizer._trainable_variables
+        reduce = [
+            i
+            for i, (g, v) in enumerate(zip(grads, variables, strict=True))
+            if g is not None and not optimizer._overwrite_variable_with_gradient(v)
+        ]
+        grads = list(grads)
+        for i, reduced in zip(reduce, context.all_reduce("SUM", [grads[i] for i in reduce]), strict=True):
+            grads[i] = reduced
+        with _gradients_reduced():
+            tf.cond(
+                optimizer.check_finite(grads),
+                lambda: optimizer._stateful_handle_finite_grads(grads, trainable_variables),
+                optimizer._stateful_handle_non_finite_grads,
+            )
 
     return wrapper
 

@@ -38,6 +38,7 @@ from tensorflow.python.distribute import reduce_util  # noqa: E402
 from tensorflow.python.distribute import values as distribute_values  # noqa: E402
 from tensorflow.python.framework import ops  # noqa: E402
 from tensorflow.python.ops import control_flow_util  # noqa: E402
+from tensorflow.python.ops import resource_variable_ops  # noqa: E402
 from tensorflow.python.util import nest  # noqa: E402
 
 __all__ = [
@@ -51,5 +52,6 @@ __all__ = [
     "reduce_util",
     "ops",
     "control_flow_util",
+    "resource_variable_ops",
     "nest",
 ]

@@ -103,3 +103,52 @@ def test_a_collective_waiting_long_logs_whom_it_waits_for_and_then_completes(cap
         results = cluster.run(late_rank_one)
     assert warned()
     assert all(r.tolist() == [2.0, 2.0, 2.0] for r in results)
+
+
+def test_a_message_delivered_while_another_stream_thread_aborts_gets_the_abort_not_its_sink_error():
+    # Two stream threads see mismatched messages at once. The first aborts; the second must not
+    # hand its message to the posted receive (whose buffer does not fit it) before the channel
+    # is failed, or that receive raises "holds 16 bytes ... 8" instead of the mismatch.
+    import threading
+    import types
+
+    from elasticdl_strategy.collective.communicator import Communicator
+    from elasticdl_strategy.collective.mailbox import ArraySink, Mailbox
+    from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, _InboundStream
+    from elasticdl_strategy.transport.options import TransportOptions
+    from elasticdl_strategy.transport.protos import peer_pb2
+
+    failing, release = threading.Event(), threading.Event()
+
+    class SlowAbortMailbox(Mailbox):
+        def fail_channel(self, channel, make_error):
+            failing.set()
+            assert release.wait(10)
+            super().fail_channel(channel, make_error)
+
+    p2p = types.SimpleNamespace(
+        rank=2, size=3, options=TransportOptions(), mailbox=SlowAbortMailbox(rank=2), membership_version=1,
+        worker_ids=["w0", "w1", "w2"], header_observer=None, abort_observer=None, failure_observer=None,
+        send_abort=lambda kind, reason, ranks: None,
+    )
+    comm = Communicator(p2p)
+    comm._begin("allgather", np.int64, (-1,))  # this rank's collective #0: it expects int64 rows
+    receive, _ = p2p.mailbox.post(1, COLLECTIVE_CHANNEL, 0, ArraySink(2, np.zeros(1, np.int64)))
+    theirs = peer_pb2.CollectiveDescriptor(sequence=0, op="allreduce", dtype="float32", shape=[4], reduce_op="sum")
+
+    def header(src):
+        return peer_pb2.MessageHeader(
+            channel=COLLECTIVE_CHANNEL, tag=0, sequence=0, nbytes=16, dtype="float32", shape=[4], collective=theirs
+        )
+
+    first = threading.Thread(target=lambda: _InboundStream(p2p, 0).on_header(header(0)))
+    second = threading.Thread(target=lambda: _InboundStream(p2p, 1).on_header(header(1)).finish())
+    first.start()
+    assert failing.wait(10)
+    second.start()
+    second.join(0.5)  # with the race, the second thread delivers into the receive right here
+    release.set()
+    first.join(10)
+    second.join(10)
+    with pytest.raises(CollectiveMismatchError, match="called allreduce"):
+        receive.result(timeout=5)

@@ -34,6 +34,13 @@ def test_reduce_and_replica_context_collectives(reports, label):
         assert report[f"{label}_merge_call"] == sum(range(N))
 
 
+def test_experimental_run_v2_runs_like_run_and_warns_once(reports):
+    total = sum(r + 1 for r in range(N))
+    for report in reports:
+        assert report["run_v2_sum"] == [total, total]
+        assert len(report["run_v2_warnings"]) == 1 and "strategy.run" in report["run_v2_warnings"][0]
+
+
 def test_gather_and_values_from_function(reports):
     for report in reports:
         assert report["gather"] == [r for r in range(N) for _ in range(r + 1)]

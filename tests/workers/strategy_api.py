@@ -5,6 +5,7 @@ Writes ``{results_dir}/rank{r}.json`` with what each call returned.
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -45,6 +46,13 @@ def main(results_dir: str) -> None:
         out[f"{label}_all_reduce"] = [t_float.numpy().tolist(), t_int.numpy().tolist()]
         out[f"{label}_all_gather"] = rows.numpy().ravel().tolist()
         out[f"{label}_merge_call"] = float(merged.numpy())
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = strategy.experimental_run_v2(replica_values)  # TF 2.0's name, as its guides wrote it
+        strategy.experimental_run_v2(replica_values)
+    out["run_v2_sum"] = strategy.reduce("SUM", first, axis=None).numpy().tolist()
+    out["run_v2_warnings"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
 
     out["gather"] = strategy.gather(strategy.run(lambda: tf.fill([rank + 1], rank)), axis=0).numpy().tolist()
     values = strategy.experimental_distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group * 10)

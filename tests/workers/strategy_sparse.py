@@ -1,4 +1,12 @@
-"""Worker of tests/strategy/test_sparse.py: an embedding model trained with sparse or dense gradient reduction."""
+"""Worker of tests/strategy/test_sparse.py: an embedding model trained with sparse or dense gradient reduction.
+
+Usage: strategy_sparse.py sparse|dense RESULTS_DIR OPTIMIZER [OPTIMIZER ...]
+(optimizers: sgd, adam, adagrad, rmsprop; a fresh model for each).
+
+Run with the launcher, or alone for the reference: one process on the global
+batch; alone with ``dense``, it applies its gradients densified, which is what
+``sparse_as_dense=True`` hands the optimizer.
+"""
 
 import sys
 
@@ -11,10 +19,15 @@ from tests.workers.report import write_report
 
 GLOBAL_BATCH = 16
 
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+    "adam": lambda: keras.optimizers.Adam(0.05),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.5),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.05),
+}
 
-def main(sparse_as_dense: str, results_dir: str) -> None:
-    keras.config.set_floatx("float64")
-    strategy = AllReduceStrategy(sparse_as_dense=sparse_as_dense == "dense")
+
+def train(strategy, optimizer_name, densify):
     keras.utils.set_random_seed(7 + collective.rank())
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 30, size=(128, 3))  # repeated ids within and across workers' rows
@@ -26,7 +39,7 @@ def main(sparse_as_dense: str, results_dir: str) -> None:
         embedding = keras.layers.Embedding(30, 4)
         dense = keras.layers.Dense(1)
         model = keras.Sequential([keras.Input((3,), dtype="int64"), embedding, keras.layers.Flatten(), dense])
-        optimizer = keras.optimizers.SGD(0.5)
+        optimizer = OPTIMIZERS[optimizer_name]()
     kinds = {}
 
     @tf.function
@@ -38,6 +51,8 @@ def main(sparse_as_dense: str, results_dir: str) -> None:
                 )
             grads = tape.gradient(loss, model.trainable_variables)
             kinds["embedding_gradient"] = type(grads[0]).__name__
+            if densify:
+                grads = [tf.convert_to_tensor(g) for g in grads]
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
 
@@ -47,15 +62,17 @@ def main(sparse_as_dense: str, results_dir: str) -> None:
     before = collective.communicator().p2p.messages_sent
     losses = [float(step(x, y)) for _ in range(3) for x, y in dataset]
     kinds["messages_per_step"] = (collective.communicator().p2p.messages_sent - before) / len(losses)
-    report = {
-        "rank": collective.rank(),
-        "weights": [w.numpy().ravel().tolist() for w in model.weights],
-        "losses": losses,
-        **kinds,
-    }
+    return {"weights": [w.numpy().ravel().tolist() for w in model.weights], "losses": losses, **kinds}
+
+
+def main(reduction: str, results_dir: str, optimizers) -> None:
+    keras.config.set_floatx("float64")
+    strategy = AllReduceStrategy(sparse_as_dense=reduction == "dense")
+    densify = reduction == "dense" and collective.size() == 1
+    report = {"rank": collective.rank(), **{name: train(strategy, name, densify) for name in optimizers}}
     write_report(results_dir, collective.rank(), report)
     collective.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
