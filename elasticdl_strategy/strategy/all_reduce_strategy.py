@@ -137,6 +137,16 @@ class AllReduceStrategy(distribute_lib.Strategy):
             )
         return self.run(fn, args=args, kwargs=kwargs, options=options)
 
+    def experimental_make_numpy_dataset(self, numpy_input, session=None) -> tf.data.Dataset:
+        """A dataset of ``numpy_input``'s rows (TF 1.x API, as MultiWorkerMirroredStrategy has it); eager only.
+
+        Example::
+
+            dataset = strategy.experimental_make_numpy_dataset((x, y)).batch(64)
+            for batch in strategy.experimental_distribute_dataset(dataset): ...
+        """
+        return self.extended.experimental_make_numpy_dataset(numpy_input, session=session)
+
     def broadcast_variables(self, variables: Iterable[tf.Variable], root: int = 0) -> None:
         """Assigns ``root``'s values of ``variables`` on every worker (same order everywhere)."""
         for variable in variables:
@@ -251,6 +261,11 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         return self._input_workers_with_options()
 
     def _create_variable(self, next_creator, **kwargs):
+        if not tf.executing_eagerly() and not tf.inside_function():
+            raise ConfigError(
+                "AllReduceStrategy does not create variables in TF 1.x graph mode (tf.compat.v1 graphs and "
+                "Sessions): create them eagerly (TF 2's default) or in a tf.function, under strategy.scope()"
+            )
         kwargs.pop("colocate_with", None)
         with ops.device(self._device):
             variable = next_creator(**kwargs)
@@ -304,6 +319,30 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
             [context],
             self._container_strategy(),
             options=options,
+        )
+
+    # TF 1.x input APIs: the numpy dataset eagerly, as MultiWorkerMirroredStrategy makes it;
+    # the graph-mode iterators only name their TF 2 replacements.
+
+    def _experimental_make_numpy_dataset(self, numpy_input, session):
+        if session is not None or not tf.executing_eagerly():
+            raise ConfigError(
+                "experimental_make_numpy_dataset with a Session (TF 1.x graph mode) is not supported by "
+                "AllReduceStrategy: call it eagerly, or use tf.data.Dataset.from_tensor_slices"
+            )
+        return tf.data.Dataset.from_tensor_slices(numpy_input)
+
+    def _make_dataset_iterator(self, dataset):
+        raise ConfigError(
+            "make_dataset_iterator is TF 1.x's graph-mode API, not supported by AllReduceStrategy: "
+            "iterate iter(strategy.experimental_distribute_dataset(dataset)) instead"
+        )
+
+    def _make_input_fn_iterator(self, input_fn, replication_mode=None):
+        raise ConfigError(
+            "make_input_fn_iterator is TF 1.x's graph-mode API, not supported by AllReduceStrategy: "
+            "use iter(strategy.distribute_datasets_from_function(dataset_fn)); dataset_fn gets the same "
+            "tf.distribute.InputContext"
         )
 
     def _experimental_distribute_values_from_function(self, value_fn):

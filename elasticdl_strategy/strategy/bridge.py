@@ -20,9 +20,10 @@ Eagerly, the ring is called directly, bucket after bucket.
 
 A bucket is packed into a staging buffer kept between calls (keyed by the
 bucket's layout). Every tensor starts on a 64-byte boundary there, so the
-reduced tensors are handed to TensorFlow as views, without a copy; a buffer is
-reused only once no view of it is alive (its reference count says so), else
-another one is made (two are kept per use of a layout in a step).
+reduced tensors are handed to TensorFlow as views, without a copy; each view
+holds a lease on its buffer until it is collected, and a buffer is reused only
+once no lease is left, else another one is made (two are kept per use of a
+layout in a step).
 
 Measured on the 2-core development VM (``benchmarks/train_step.py``, MLP with
 16 MiB of float32 gradients, N = 2): one 64 MiB bucket trains fastest; 16 and
@@ -36,8 +37,8 @@ from __future__ import annotations
 
 import collections
 import functools
-import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -141,53 +142,71 @@ def plan_buckets(
 # ---- staging buffers ------------------------------------------------------------------------
 
 
+class _StagingBuffer:
+    """One staging buffer and its leases: busy while its bucket is being reduced and while any
+    result view handed out from it is alive."""
+
+    __slots__ = ("owner", "leases")
+
+    def __init__(self, nbytes: int):
+        self.owner = np.zeros(nbytes + _ALIGN_BYTES, np.uint8)
+        self.leases = 0
+
+    def view(self, dtype: np.dtype, length: int) -> np.ndarray:
+        start = -self.owner.ctypes.data % _ALIGN_BYTES
+        return self.owner[start : start + length * dtype.itemsize].view(dtype)
+
+
 class _StagingPool:
     """Staging buffers kept between calls, keyed by bucket layout, for the ``max_layouts``
-    layouts used last.
+    layouts used last, handed out under explicit leases.
 
-    :meth:`acquire` returns a view of a buffer that nothing else views: the
-    reduced tensors of a bucket are views of its buffer, and TensorFlow may hold
-    them (zero-copy) past the call; while it does, the buffer is not reused.
-    The transport also keeps a view of the last message it sent until it sends
-    the next one. Hence two buffers per use of a layout in a step are kept:
-    one may still be held while the other is filled.
+    :meth:`acquire` leases an idle buffer to the caller; :meth:`lend` leases it
+    again to each result view handed to TensorFlow, which may hold such a view
+    (zero-copy: it keeps a reference to that very array) past the call; the
+    view's lease ends when it is collected (``weakref.finalize``), the caller's
+    with :meth:`release`. A buffer is reused only when no lease is left. Two
+    buffers per use of a layout in a step are kept: one may still be held while
+    the other is filled.
     """
 
     def __init__(self, max_layouts: int = 256):
         self._max_layouts = max_layouts
-        self._owners: "collections.OrderedDict[tuple, List[np.ndarray]]" = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._buffers: "collections.OrderedDict[tuple, List[_StagingBuffer]]" = collections.OrderedDict()
+        # Reentrant: a lease may end (garbage collection) while this thread holds the lock.
+        self._lock = threading.RLock()
         self.allocations = 0
 
-    @staticmethod
-    def _idle(owners: List[np.ndarray], i: int) -> bool:
-        # References when nothing views it: the list's and getrefcount's argument.
-        return sys.getrefcount(owners[i]) <= 2
-
-    def acquire(self, key: tuple, dtype: np.dtype, length: int, uses: int = 1) -> np.ndarray:
-        """A 64-byte aligned array of ``length`` elements of ``dtype`` (zero where no tensor lies),
+    def acquire(self, key: tuple, nbytes: int, uses: int = 1) -> _StagingBuffer:
+        """An idle buffer of ``nbytes`` (zero where no tensor lies), leased to the caller,
         for a layout that ``uses`` buckets of a step share."""
         with self._lock:
-            owners = self._owners.get(key)
-            if owners is None:
-                owners = self._owners[key] = []
-                while len(self._owners) > self._max_layouts:
-                    self._owners.popitem(last=False)
+            buffers = self._buffers.get(key)
+            if buffers is None:
+                buffers = self._buffers[key] = []
+                while len(self._buffers) > self._max_layouts:
+                    self._buffers.popitem(last=False)
             else:
-                self._owners.move_to_end(key)
-            for i in range(len(owners)):
-                if self._idle(owners, i):
-                    return self._view(owners[i], dtype, length)
-            owner = np.zeros(length * dtype.itemsize + _ALIGN_BYTES, np.uint8)
-            self.allocations += 1
-            if len(owners) < 2 * uses:
-                owners.append(owner)
-            return self._view(owner, dtype, length)
+                self._buffers.move_to_end(key)
+            buffer = next((b for b in buffers if b.leases == 0), None)
+            if buffer is None:
+                buffer = _StagingBuffer(nbytes)
+                self.allocations += 1
+                if len(buffers) < 2 * uses:
+                    buffers.append(buffer)
+            buffer.leases += 1
+            return buffer
 
-    @staticmethod
-    def _view(owner: np.ndarray, dtype: np.dtype, length: int) -> np.ndarray:
-        start = -owner.ctypes.data % _ALIGN_BYTES
-        return owner[start : start + length * dtype.itemsize].view(dtype)
+    def lend(self, buffer: _StagingBuffer, view: np.ndarray) -> np.ndarray:
+        """Leases ``buffer`` to ``view`` until the view is collected; returns the view."""
+        with self._lock:
+            buffer.leases += 1
+        weakref.finalize(view, self.release, buffer)
+        return view
+
+    def release(self, buffer: _StagingBuffer) -> None:
+        with self._lock:
+            buffer.leases -= 1
 
 
 _pool = _StagingPool()
@@ -216,7 +235,7 @@ def counters() -> Dict[str, int]:
 class _Staged:
     """One bucket of one call: its staging buffer and where each member lies in it."""
 
-    __slots__ = ("bucket", "dtype", "flat", "offsets", "key", "length")
+    __slots__ = ("bucket", "dtype", "flat", "offsets", "key", "length", "buffer")
 
     def __init__(self, arrays: Sequence[np.ndarray], bucket: Bucket):
         dtype = arrays[bucket.members[0]].dtype
@@ -226,9 +245,11 @@ class _Staged:
         self.dtype = dtype
         self.key = _layout_key(dtype, sizes)
         self.flat = None
+        self.buffer: Optional[_StagingBuffer] = None
 
     def acquire(self, uses: Dict[tuple, int]) -> None:
-        self.flat = _pool.acquire(self.key, self.dtype, self.length, uses.get(self.key, 1))
+        self.buffer = _pool.acquire(self.key, self.length * self.dtype.itemsize, uses.get(self.key, 1))
+        self.flat = self.buffer.view(self.dtype, self.length)
 
     def pack(self, arrays: Sequence[np.ndarray]) -> None:
         for i, offset in zip(self.bucket.members, self.offsets, strict=True):
@@ -249,8 +270,14 @@ class _Staged:
     def unpack(self, arrays: Sequence[np.ndarray], results: List[np.ndarray]) -> None:
         for i, offset in zip(self.bucket.members, self.offsets, strict=True):
             array = arrays[i]
-            results[i] = self.flat[offset : offset + array.size].reshape(array.shape)
-        self.flat = None  # from here only the results hold the buffer
+            results[i] = _pool.lend(self.buffer, self.flat[offset : offset + array.size].reshape(array.shape))
+        self.abandon()  # from here only the results hold the buffer
+
+    def abandon(self) -> None:
+        """Ends this call's lease on its buffer (once)."""
+        if self.buffer is not None:
+            _pool.release(self.buffer)
+        self.flat = self.buffer = None
 
 
 def reduce_buckets(
@@ -275,12 +302,16 @@ def reduce_buckets(
     staged = [_Staged(arrays, bucket) for bucket in buckets]
     if uses is None:
         uses = _layout_uses([bucket.key for bucket in staged])
-    for bucket in staged:
-        bucket.acquire(uses)
-    for bucket in staged:
-        bucket.pack(arrays)
-        bucket.reduce(communicator, op, timeout, compression)
-        bucket.unpack(arrays, results)
+    try:
+        for bucket in staged:
+            bucket.acquire(uses)
+        for bucket in staged:
+            bucket.pack(arrays)
+            bucket.reduce(communicator, op, timeout, compression)
+            bucket.unpack(arrays, results)
+    finally:  # a failed reduction gives its buffers back
+        for bucket in staged:
+            bucket.abandon()
     return results
 
 

@@ -51,34 +51,62 @@ import contextlib
 import functools
 import logging
 import threading
+from typing import Callable, Dict, List, Tuple
 
 logger = logging.getLogger(__name__)
 
 # Keras minor versions this adaptation is tested with.
 SUPPORTED_KERAS_MINOR_VERSIONS = ("3.15",)
 
-_installed = False
+_installed: Dict[str, bool] = {}
 
 
-def install(strategy_class: type) -> bool:
-    """Installs the predict adaptation once; returns whether it is active."""
-    global _installed
+def install(strategy_class: type) -> Dict[str, bool]:
+    """Installs every adaptation once; returns which are active, by name.
+
+    Each adaptation is installed on its own: one whose Keras internals are
+    missing or changed (a Keras version not tested) is left out with a
+    warning naming what is lost, and the others still apply. The check that
+    gradients reach the ring falls back to a conservative form on the public
+    ``Optimizer.apply`` when the private method it wraps is gone.
+    """
     if _installed:
-        return True
+        return dict(_installed)
     import keras
-    from keras.src import tree
-    from keras.src.backend.tensorflow import trainer
 
     minor = ".".join(keras.__version__.split(".")[:2])
-    original = getattr(trainer, "reduce_per_replica", None)
-    if minor not in SUPPORTED_KERAS_MINOR_VERSIONS or original is None:
+    if minor not in SUPPORTED_KERAS_MINOR_VERSIONS:
         logger.warning(
-            "Keras %s is not one elasticdl_strategy is tested with (%s): model.predict under "
-            "AllReduceStrategy returns only this worker's rows",
+            "Keras %s is not one elasticdl_strategy is tested with (%s): adaptations whose Keras internals "
+            "are missing are left out (each is named below if so)",
             keras.__version__,
             ", ".join(SUPPORTED_KERAS_MINOR_VERSIONS),
         )
-        return False
+    for name, adapt, lost in _ADAPTATIONS:
+        try:
+            adapt(strategy_class)
+            _installed[name] = True
+        except (AttributeError, ImportError, TypeError) as e:
+            _installed[name] = False
+            logger.warning("Keras %s: %s is not adapted (%s): %s", keras.__version__, name, e, lost)
+    if not _installed["gradient check"]:
+        _install_conservative_gradient_check(strategy_class)
+    return dict(_installed)
+
+
+def _require(owner, name: str):
+    """``owner.name``, or AttributeError naming what is missing (a changed Keras)."""
+    value = getattr(owner, name, None)
+    if value is None:
+        raise AttributeError(f"{getattr(owner, '__name__', owner)}.{name} not found")
+    return value
+
+
+def _adapt_per_replica_reduction(strategy_class: type) -> None:
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer
+
+    original = _require(trainer, "reduce_per_replica")
 
     def reduce_per_replica(values, strategy, reduction):
         if isinstance(strategy, strategy_class) and strategy.num_replicas_in_sync > 1:
@@ -90,32 +118,74 @@ def install(strategy_class: type) -> bool:
         return original(values, strategy, reduction)
 
     trainer.reduce_per_replica = reduce_per_replica
+
+
+def _adapt_saving(strategy_class: type) -> None:
+    import keras
+
     for name in ("save", "save_weights"):
-        setattr(keras.Model, name, _written_once(getattr(keras.Model, name), strategy_class))
+        setattr(keras.Model, name, _written_once(_require(keras.Model, name), strategy_class))
+
+
+def _adapt_gradient_check(strategy_class: type) -> None:
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    TFOptimizer._all_reduce_sum_gradients = _checked_gradient_reduction(
-        TFOptimizer._all_reduce_sum_gradients, strategy_class
-    )
+    reduce = _require(TFOptimizer, "_all_reduce_sum_gradients")
+    TFOptimizer._all_reduce_sum_gradients = _checked_gradient_reduction(reduce, strategy_class)
+
+
+def _install_conservative_gradient_check(strategy_class: type) -> None:
+    """The gradient check on the public ``Optimizer.apply`` (a Keras whose private reduction moved)."""
+    import keras
+
+    apply = keras.optimizers.Optimizer.apply
+    check = _checked_gradient_reduction(lambda optimizer, grads_and_vars: None, strategy_class)
+
+    @functools.wraps(apply)
+    def wrapper(optimizer, grads, trainable_variables=None):
+        check(optimizer, [])
+        return apply(optimizer, grads, trainable_variables)
+
+    keras.optimizers.Optimizer.apply = wrapper
+
+
+def _adapt_loss_scale(strategy_class: type) -> None:
     from keras.src.losses import loss as loss_module
 
-    loss_module.scale_loss_for_distribution = _exact_loss_scale(loss_module.scale_loss_for_distribution, strategy_class)
+    scale = _require(loss_module, "scale_loss_for_distribution")
+    loss_module.scale_loss_for_distribution = _exact_loss_scale(scale, strategy_class)
+
+
+def _adapt_loss_scaling(strategy_class: type) -> None:
     from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-    LossScaleOptimizer._tf_apply = _loss_scaling_on_reduced_gradients(LossScaleOptimizer._tf_apply, strategy_class)
-    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
-
-    ArrayDataAdapter.get_tf_dataset = _shuffled_alike_on_every_worker(ArrayDataAdapter.get_tf_dataset)
-    _callbacks_write_on_rank_0(strategy_class)
-    from keras.src.trainers.epoch_iterator import EpochIterator
-
-    trainer.TensorFlowTrainer._maybe_symbolic_build = _build_from_local_batch(
-        trainer.TensorFlowTrainer._maybe_symbolic_build, strategy_class
+    for name in ("check_finite", "_stateful_handle_finite_grads", "_stateful_handle_non_finite_grads"):
+        _require(LossScaleOptimizer, name)
+    LossScaleOptimizer._tf_apply = _loss_scaling_on_reduced_gradients(
+        _require(LossScaleOptimizer, "_tf_apply"), strategy_class
     )
 
-    EpochIterator.catch_stop_iteration = _epochs_of_any_length(EpochIterator.catch_stop_iteration, strategy_class)
-    _installed = True
-    return True
+
+def _adapt_numpy_shuffle(strategy_class: type) -> None:
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    ArrayDataAdapter.get_tf_dataset = _shuffled_alike_on_every_worker(_require(ArrayDataAdapter, "get_tf_dataset"))
+
+
+def _adapt_local_build(strategy_class: type) -> None:
+    from keras.src.backend.tensorflow import trainer
+
+    build = _require(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+    trainer.TensorFlowTrainer._maybe_symbolic_build = _build_from_local_batch(build, strategy_class)
+
+
+def _adapt_epoch_length(strategy_class: type) -> None:
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    catch = _require(EpochIterator, "catch_stop_iteration")
+    EpochIterator.catch_stop_iteration = _epochs_of_any_length(catch, strategy_class)
+
+
 
 
 def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
@@ -382,3 +452,19 @@ def _written_once(save, strategy_class: type):
         return save(model, *args, **kwargs)
 
     return wrapper
+
+
+# (name, install, what a Keras that lacks its internals loses)
+_ADAPTATIONS: List[Tuple[str, Callable[[type], None], str]] = [
+    ("predict and per-step logs", _adapt_per_replica_reduction,
+     "predict returns this worker's rows only and per-step logs are this worker's"),
+    ("saving on rank 0", _adapt_saving, "Model.save and save_weights write on every worker"),
+    ("gradient check", _adapt_gradient_check, "a conservative check on Optimizer.apply is used instead"),
+    ("loss scale", _adapt_loss_scale, "losses are scaled by 1/workers in float32"),
+    ("loss scaling", _adapt_loss_scaling,
+     "LossScaleOptimizer judges each worker's own gradients (an overflow on one worker desynchronizes)"),
+    ("numpy shuffle", _adapt_numpy_shuffle, "fit(x, y, shuffle=True) on numpy arrays repeats and skips rows"),
+    ("file callbacks", _callbacks_write_on_rank_0, "TensorBoard, CSVLogger and BackupAndRestore write on every worker"),
+    ("local build", _adapt_local_build, "building from a first batch may mismatch when shares differ"),
+    ("epoch length", _adapt_epoch_length, "later epochs stop at the first epoch's length"),
+]

@@ -41,6 +41,17 @@ def test_experimental_run_v2_runs_like_run_and_warns_once(reports):
         assert len(report["run_v2_warnings"]) == 1 and "strategy.run" in report["run_v2_warnings"][0]
 
 
+def test_tf1_entry_points_work_or_name_their_tf2_replacement(reports):
+    for report in reports:
+        r = report["rank"]
+        assert report["numpy_dataset"] == ([[0, 1, 2], [5, 6, 7]] if r == 0 else [[3, 4], [8, 9]])
+        tf1 = report["tf1"]
+        assert tf1["make_dataset_iterator"][0] == "ConfigError"
+        assert "experimental_distribute_dataset" in tf1["make_dataset_iterator"][1]
+        assert "distribute_datasets_from_function" in tf1["make_input_fn_iterator"][1]
+        assert tf1["graph_variable"][0] == "ConfigError" and "tf.function" in tf1["graph_variable"][1]
+
+
 def test_gather_and_values_from_function(reports):
     for report in reports:
         assert report["gather"] == [r for r in range(N) for _ in range(r + 1)]

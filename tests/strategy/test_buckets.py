@@ -152,6 +152,29 @@ def test_staging_buffers_are_reused_only_when_no_result_is_alive(fake):
     np.testing.assert_array_equal(second, 10.0)
 
 
+def test_a_result_tensorflow_holds_keeps_its_buffer_leased_and_a_failed_call_gives_its_back(fake, monkeypatch):
+    arrays = [np.full(256, 1.0, np.float32)]
+    held = tf.convert_to_tensor(bridge.allreduce_arrays(arrays, "sum")[0])  # may alias the staging buffer
+    for _ in range(3):
+        bridge.allreduce_arrays([np.full(256, 7.0, np.float32)], "sum")
+    np.testing.assert_array_equal(held.numpy(), 2.0)  # never overwritten while TensorFlow holds it
+    # A reduction that fails (a peer died) ends its lease: the next call reuses the buffer.
+    bridge.allreduce_arrays(arrays, "sum")
+    allocations = bridge.counters()["staging_allocations"]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("peer failed")
+
+    monkeypatch.setattr(fake, "allreduce", fail)
+    with pytest.raises(RuntimeError):
+        bridge.allreduce_arrays(arrays, "sum")
+    monkeypatch.undo()
+    monkeypatch.setattr(bridge.collective, "communicator", lambda: fake)
+    for _ in range(3):
+        bridge.allreduce_arrays(arrays, "sum")
+    assert bridge.counters()["staging_allocations"] == allocations
+
+
 # ---- the order of the buckets in a tf.function ----------------------------------------------
 
 

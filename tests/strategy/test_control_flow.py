@@ -111,7 +111,7 @@ def test_the_token_is_made_outside_any_graph_and_without_variable_creators():
 
 # ---- through the launcher -----------------------------------------------------------------
 
-SCENARIOS = ["plain_fit", "spe2", "spe4", "accumulate", "mixed_fit", "loss_scale_loop", "while_loop"]
+SCENARIOS = ["plain_fit", "spe2", "spe4", "accumulate", "batchnorm_sync", "mixed_fit", "loss_scale_loop", "while_loop"]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,11 @@ from elasticdl_strategy import AllReduceStrategy, collective
 from tests.workers.report import write_report
 
 
+def _graph_mode_variable(strategy):
+    with tf.Graph().as_default(), strategy.scope():
+        tf.Variable(1.0)
+
+
 def main(results_dir: str) -> None:
     strategy = AllReduceStrategy()
     rank, n = collective.rank(), collective.size()
@@ -66,6 +71,22 @@ def main(results_dir: str) -> None:
     out["from_function"] = [local(b) for b in strategy.distribute_datasets_from_function(dataset_fn)]
     global_batches = tf.data.Dataset.range(10).batch(5)  # 5 rows per batch: split 3/2 between 2 workers
     out["distributed"] = [local(b) for b in strategy.experimental_distribute_dataset(global_batches)]
+    # TF 1.x entry points: the numpy dataset works; the graph-mode ones name their TF 2 replacement.
+    numpy_dataset = strategy.experimental_make_numpy_dataset(np.arange(10, dtype=np.int64)).batch(5)
+    out["numpy_dataset"] = [local(b) for b in strategy.experimental_distribute_dataset(numpy_dataset)]
+    tf1 = {}
+    for name, call in [
+        ("make_dataset_iterator", lambda: strategy.make_dataset_iterator(numpy_dataset)),
+        ("make_input_fn_iterator", lambda: strategy.make_input_fn_iterator(lambda ctx: numpy_dataset)),
+        ("graph_variable", lambda: _graph_mode_variable(strategy)),
+    ]:
+        try:
+            call()
+            tf1[name] = None
+        except Exception as e:  # the type and the message are what the test checks
+            tf1[name] = [type(e).__name__, str(e)]
+    out["tf1"] = tf1
+
 
     with strategy.scope():
         v = tf.Variable(np.full(3, float(rank)))  # rank 0's value wins at creation
