@@ -44,12 +44,18 @@ def worker(mode: str, out: str, steps: int, repeats: int) -> None:
     ids = np.minimum(rng.zipf(1.2, size=(BATCH * (steps + 2), IDS_PER_ROW)) - 1, ROWS - 1)
     targets = rng.standard_normal((len(ids), 1)).astype("float32")
     batches = iter(
-        strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((ids, targets)).batch(BATCH).repeat())
+        strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((ids, targets)).batch(BATCH).repeat()
+        )
     )
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((IDS_PER_ROW,), dtype="int64"), keras.layers.Embedding(ROWS, WIDTH), keras.layers.Flatten(),
-             keras.layers.Dense(1)]
+            [
+                keras.Input((IDS_PER_ROW,), dtype="int64"),
+                keras.layers.Embedding(ROWS, WIDTH),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
         )
         optimizer = keras.optimizers.Adam(1e-3)
 
@@ -94,19 +100,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("sparse", "dense"):
             out = os.path.join(tmp, f"{mode}.json")
-            command = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--repeats",
-                       str(args.repeats), "--worker", mode, out]
-            subprocess.run([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(args.workers), "--",
-                            *command], check=True, stdout=subprocess.DEVNULL)
+            command = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--steps",
+                str(args.steps),
+                "--repeats",
+                str(args.repeats),
+                "--worker",
+                mode,
+                out,
+            ]
+            subprocess.run(
+                [sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(args.workers), "--", *command],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             with open(out) as f:
                 results[mode] = json.load(f)
-    print(f"embedding {ROWS} x {WIDTH} float32, batch {BATCH} x {IDS_PER_ROW} ids, N = {args.workers}, "
-          f"medians of {args.repeats} windows of {args.steps} steps")
+    print(
+        f"embedding {ROWS} x {WIDTH} float32, batch {BATCH} x {IDS_PER_ROW} ids, N = {args.workers}, "
+        f"medians of {args.repeats} windows of {args.steps} steps"
+    )
     print(f"{'mode':<8}{'ms/step':>10}{'MiB sent/step':>16}")
     for mode, r in results.items():
         print(f"{mode:<8}{r['step_s'] * 1e3:>10.1f}{r['bytes_per_step'] / 2**20:>16.3f}")
     s, d = results["sparse"], results["dense"]
-    print(f"sparse / dense: time {s['step_s'] / d['step_s']:.3f}x, bytes {s['bytes_per_step'] / d['bytes_per_step']:.5f}x")
+    print(
+        f"sparse / dense: time {s['step_s'] / d['step_s']:.3f}x, bytes {s['bytes_per_step'] / d['bytes_per_step']:.5f}x"
+    )
 
 
 if __name__ == "__main__":

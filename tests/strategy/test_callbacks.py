@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 def test_file_writing_callbacks_write_once_and_backups_resume(tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "one-files").mkdir()
-    alone = run_alone([sys.executable, worker_script("strategy_callbacks.py"), str(tmp_path / "one"),
-                       str(tmp_path / "one-files")], timeout=240)
+    alone = run_alone(
+        [sys.executable, worker_script("strategy_callbacks.py"), str(tmp_path / "one"), str(tmp_path / "one-files")],
+        timeout=240,
+    )
     assert alone.returncode == 0, alone.stderr[-3000:]
     (reference,) = read_reports(tmp_path / "one", [0])
     results, files = tmp_path / "results", tmp_path / "files"

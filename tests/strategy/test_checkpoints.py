@@ -30,7 +30,9 @@ def test_checkpoint_writers_called_from_every_worker(tmp_path):
     assert report["tf_latest"] == report["manager_latest"]
     # max_to_keep=2 holds on disk: rank 0 swept; nobody else wrote or deleted anything.
     managed = sorted(os.listdir(directory / "managed"))
-    assert managed == sorted(["checkpoint"] + [f"ckpt-{i}.{s}" for i in (7, 8) for s in ("index", "data-00000-of-00001")])
+    assert managed == sorted(
+        ["checkpoint"] + [f"ckpt-{i}.{s}" for i in (7, 8) for s in ("index", "data-00000-of-00001")]
+    )
     assert not any("temp" in name for _, dirs, files in os.walk(directory) for name in dirs + files)
     assert report["restored"] == report["at_save"] and report["restored_iterations"] == report["iterations_at_save"]
     assert (directory / "saved_model" / "saved_model.pb").exists()

@@ -32,9 +32,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_changed_keras_loses_only_the_adaptations_whose_internals_are_gone():
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
-    )
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     lost = {name for name, on in report["active"].items() if not on}

@@ -35,13 +35,25 @@ def build(strategy):
 def interrupted_and_resumed(strategy, data, backup_dir):
     model = build(strategy)
     try:
-        model.fit(*data, batch_size=16, epochs=EPOCHS, verbose=0, shuffle=False,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup_dir), Interrupt()])
+        model.fit(
+            *data,
+            batch_size=16,
+            epochs=EPOCHS,
+            verbose=0,
+            shuffle=False,
+            callbacks=[keras.callbacks.BackupAndRestore(backup_dir), Interrupt()],
+        )
     except RuntimeError:
         pass
     resumed = build(strategy)  # a fresh model, as a restarted job would build
-    history = resumed.fit(*data, batch_size=16, epochs=EPOCHS, verbose=0, shuffle=False,
-                          callbacks=[keras.callbacks.BackupAndRestore(backup_dir)])
+    history = resumed.fit(
+        *data,
+        batch_size=16,
+        epochs=EPOCHS,
+        verbose=0,
+        shuffle=False,
+        callbacks=[keras.callbacks.BackupAndRestore(backup_dir)],
+    )
     collective.barrier()  # rank 0 deletes the backup at the end of its fit: wait for it
     return {
         "epochs_after_resume": len(history.history["loss"]),
@@ -64,8 +76,14 @@ def main(results_dir: str, files: str) -> None:
     logs = os.path.join(files, "logs")
     csv = os.path.join(files, "log.csv")
     for _ in range(2):
-        model.fit(*data, batch_size=16, epochs=2, verbose=0, shuffle=False,
-                  callbacks=[keras.callbacks.TensorBoard(logs), keras.callbacks.CSVLogger(csv, append=True)])
+        model.fit(
+            *data,
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            shuffle=False,
+            callbacks=[keras.callbacks.TensorBoard(logs), keras.callbacks.CSVLogger(csv, append=True)],
+        )
 
     keras.utils.set_random_seed(3 + collective.rank())
     out["shared"] = interrupted_and_resumed(strategy, data, os.path.join(files, "backup"))

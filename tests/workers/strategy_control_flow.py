@@ -3,7 +3,8 @@ inside TensorFlow control flow (conds, while loops, nested functions).
 
 Usage: strategy_control_flow.py RESULTS_DIR SCENARIO [SCENARIO ...]
 
-Scenarios: ``plain_fit`` (SGD, no control flow: the 1/replicas loss scale), ``spe2`` / ``spe4`` (``steps_per_execution``), ``accumulate``
+Scenarios: ``plain_fit`` (SGD, no control flow: the 1/replicas loss scale), ``spe2`` / ``spe4``
+(``steps_per_execution``), ``accumulate``
 (``gradient_accumulation_steps=2``), ``batchnorm_sync`` (``BatchNormalization(synchronized=True)``:
 its moving statistics too), ``mixed_fit`` (``mixed_float16`` + ``fit``),
 ``loss_scale_loop`` (a ``LossScaleOptimizer`` custom loop in a ``tf.function`` whose
@@ -76,8 +77,13 @@ def batchnorm_sync(strategy):
     """BatchNormalization(synchronized=True): batch statistics over the global batch (a cond in training)."""
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(synchronized=True),
-             keras.layers.Activation("tanh"), keras.layers.Dense(2)]
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16),
+                keras.layers.BatchNormalization(synchronized=True),
+                keras.layers.Activation("tanh"),
+                keras.layers.Dense(2),
+            ]
         )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
     history = model.fit(dataset(), epochs=3, verbose=0)
@@ -164,7 +170,9 @@ def while_loop(strategy):
     return model, {"losses": [float(t) for t, _ in results], "rows": [float(r) for _, r in results]}
 
 
-SCENARIOS = {f.__name__: f for f in (plain_fit, spe2, spe4, accumulate, batchnorm_sync, mixed_fit, loss_scale_loop, while_loop)}
+SCENARIOS = {
+    f.__name__: f for f in (plain_fit, spe2, spe4, accumulate, batchnorm_sync, mixed_fit, loss_scale_loop, while_loop)
+}
 
 
 def main(results_dir, names):
