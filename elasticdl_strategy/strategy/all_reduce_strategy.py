@@ -7,9 +7,7 @@ other cross-replica reductions go through the gRPC ring of
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import threading
 import warnings
 from typing import Iterable, Optional
 
@@ -19,6 +17,7 @@ import tensorflow as tf
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
 from elasticdl_strategy.strategy import bridge, checkpoints, keras_compat
+from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -187,25 +186,24 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
             variable.assign(communicator.broadcast(variable.numpy(), root=root))
 
 
-_creation_broadcast_suspended = threading.local()
+_creation_broadcast_suspended = ThreadFlag()
 
 
 def _broadcast_at_creation() -> bool:
     """False on a worker that joined a running job (its state arrives by ``elastic`` sync
     while the others are not creating variables), and inside :func:`no_broadcast_at_creation`."""
-    if getattr(_creation_broadcast_suspended, "depth", 0):
+    if _creation_broadcast_suspended.is_set:
         return False
     return not collective.current_worker().joined_running_job
 
 
-@contextlib.contextmanager
 def no_broadcast_at_creation():
-    """Creates variables without the creation-time broadcast (the caller syncs them itself)."""
-    _creation_broadcast_suspended.depth = getattr(_creation_broadcast_suspended, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _creation_broadcast_suspended.depth -= 1
+    """Creates variables without the creation-time broadcast (the caller syncs them itself)::
+
+        with no_broadcast_at_creation():
+            counter = tf.Variable(0)
+    """
+    return _creation_broadcast_suspended()
 
 
 def _as_reduce_op(reduce_op) -> reduce_util.ReduceOp:

@@ -31,37 +31,24 @@ and reads by other ranks need a directory they share. Writes inside a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
 
 import tensorflow as tf
 
 from elasticdl_strategy import collective
+from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 
 logger = logging.getLogger(__name__)
 
 _installed = False
-_bookkeeping_only = threading.local()
+# Set while another rank runs a write's bookkeeping: the files are rank 0's.
+_without_file_changes = ThreadFlag()
 
 
 def _other_rank_of_a_job() -> bool:
     """True on a worker other than rank 0 of a job of several workers."""
     return collective.is_initialized() and collective.size() > 1 and collective.rank() != 0
-
-
-def _suppressed() -> bool:
-    return getattr(_bookkeeping_only, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _without_file_changes():
-    _bookkeeping_only.depth = getattr(_bookkeeping_only, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _bookkeeping_only.depth -= 1
 
 
 def install() -> None:
@@ -76,7 +63,7 @@ def install() -> None:
         checkpoint.Checkpoint._maybe_create_save_counter
     )
     for name in ("update_checkpoint_state_internal", "_delete_file_if_exists"):
-        setattr(checkpoint_management, name, _skipped_while_suppressed(getattr(checkpoint_management, name)))
+        setattr(checkpoint_management, name, _skipped_without_file_changes(getattr(checkpoint_management, name)))
     tf.saved_model.save = _saved_model_by_rank_0(tf.saved_model.save)
     _installed = True
 
@@ -110,10 +97,10 @@ def _created_without_broadcast(create):
     return wrapper
 
 
-def _skipped_while_suppressed(function):
+def _skipped_without_file_changes(function):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        if _suppressed():
+        if _without_file_changes.is_set:
             return None
         return function(*args, **kwargs)
 

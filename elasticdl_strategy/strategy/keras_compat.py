@@ -50,8 +50,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from typing import Callable, Dict, List, Tuple
+
+from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
 
     @functools.wraps(reduce_gradients)
     def wrapper(optimizer, grads_and_vars):
-        if getattr(_reduced_already, "depth", 0):
+        if _gradients_reduced.is_set:
             return list(grads_and_vars)
         if collective.is_initialized() and collective.size() > 1:
             if not isinstance(optimizer._distribution_strategy, strategy_class):
@@ -353,16 +354,7 @@ def _restored_on_rank_0(on_train_begin, strategy_class: type):
 
 
 # Set while a LossScaleOptimizer applies gradients it has all-reduced itself.
-_reduced_already = threading.local()
-
-
-@contextlib.contextmanager
-def _gradients_reduced():
-    _reduced_already.depth = getattr(_reduced_already, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _reduced_already.depth -= 1
+_gradients_reduced = ThreadFlag()
 
 
 def _loss_scaling_on_reduced_gradients(tf_apply, strategy_class: type):
