@@ -206,6 +206,26 @@ def no_broadcast_at_creation():
     return _creation_broadcast_suspended()
 
 
+def _single_device_input_options(options: Optional[distribute_lib.InputOptions]) -> distribute_lib.InputOptions:
+    """Input options that make TensorFlow iterate a worker's dataset with a plain iterator.
+
+    TensorFlow's default (``PER_WORKER``, or fetching to devices) wraps every dataset in a
+    ``MultiDeviceIterator``, whose background prefetch thread can touch the iterator after
+    it was freed when the iterator is dropped right after its end (TensorFlow 2.21: a
+    segmentation fault in ``MultiDeviceBuffer::BackgroundThread``, seen with Keras'
+    cached validation iterator, ``fit(..., validation_split=...)``). A worker has one
+    device, so that iterator only adds a thread; ``PER_REPLICA`` without fetching to the
+    device iterates the dataset itself. The user's other options are kept.
+    """
+    options = options or distribute_lib.InputOptions()
+    return distribute_lib.InputOptions(
+        experimental_fetch_to_device=False,
+        experimental_replication_mode=distribute_lib.InputReplicationMode.PER_REPLICA,
+        experimental_place_dataset_on_device=options.experimental_place_dataset_on_device,
+        experimental_per_replica_buffer_size=options.experimental_per_replica_buffer_size,
+    )
+
+
 def _as_reduce_op(reduce_op) -> reduce_util.ReduceOp:
     if isinstance(reduce_op, str):
         return reduce_util.ReduceOp(reduce_op.upper())
@@ -300,6 +320,7 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         return dataset.map(lambda *element: tf.nest.map_structure(rows, element if len(element) > 1 else element[0]))
 
     def _experimental_distribute_dataset(self, dataset, options):
+        options = _single_device_input_options(options)
         return input_util.get_distributed_dataset(
             self._shard_global_batches(dataset),
             self._input_workers_with_options(options),
@@ -308,6 +329,7 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         )
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        options = _single_device_input_options(options)
         context = distribute_lib.InputContext(
             num_input_pipelines=self._size, input_pipeline_id=self._rank, num_replicas_in_sync=self._size
         )

@@ -52,6 +52,12 @@ def test_tf1_entry_points_work_or_name_their_tf2_replacement(reports):
         assert tf1["graph_variable"][0] == "ConfigError" and "tf.function" in tf1["graph_variable"][1]
 
 
+def test_inputs_are_iterated_without_multi_device_iterators(reports):
+    for report in reports:
+        assert report["iterator_kinds"] == ["OwnedIterator"] * 4
+        assert report["distributed_with_options"] == report["distributed"]
+
+
 def test_gather_and_values_from_function(reports):
     for report in reports:
         assert report["gather"] == [r for r in range(N) for _ in range(r + 1)]

@@ -71,6 +71,21 @@ def main(results_dir: str) -> None:
     out["from_function"] = [local(b) for b in strategy.distribute_datasets_from_function(dataset_fn)]
     global_batches = tf.data.Dataset.range(10).batch(5)  # 5 rows per batch: split 3/2 between 2 workers
     out["distributed"] = [local(b) for b in strategy.experimental_distribute_dataset(global_batches)]
+    # Every input is iterated with a plain tf.data iterator, whatever options ask for (TensorFlow's
+    # MultiDeviceIterator can crash when dropped right after its end).
+    per_worker = tf.distribute.InputOptions(experimental_fetch_to_device=True)
+    out["iterator_kinds"] = [
+        type(iter(dataset)._iterators[0]._iterator).__name__
+        for dataset in [
+            strategy.experimental_distribute_dataset(global_batches),
+            strategy.experimental_distribute_dataset(global_batches, per_worker),
+            strategy.distribute_datasets_from_function(dataset_fn),
+            strategy.distribute_datasets_from_function(dataset_fn, per_worker),
+        ]
+    ]
+    out["distributed_with_options"] = [
+        local(b) for b in strategy.experimental_distribute_dataset(global_batches, per_worker)
+    ]
     # TF 1.x entry points: the numpy dataset works; the graph-mode ones name their TF 2 replacement.
     numpy_dataset = strategy.experimental_make_numpy_dataset(np.arange(10, dtype=np.int64)).batch(5)
     out["numpy_dataset"] = [local(b) for b in strategy.experimental_distribute_dataset(numpy_dataset)]
