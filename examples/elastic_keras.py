@@ -13,14 +13,19 @@ command again: training resumes from the last checkpoint.
 The model and data are those of ``keras_fit.py``. Records are handed out by
 the coordinator (:class:`elasticdl_strategy.data.ElasticRecords`); the batch
 per worker is fixed, so the global batch follows the number of workers, and a
-reset callback keeps the learning rate proportional to it.
-Target: test accuracy >= 0.95 (the script exits 1 below it).
+reset callback keeps the learning rate proportional to it: every worker,
+a newcomer too, calls it before training in each membership (the first one
+included), before the state is synced from rank 0.
+Target: test accuracy >= 0.95 and identical replicas at the end (the script
+exits 1 otherwise).
 """
 
 import argparse
+import hashlib
 import sys
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras_fit import TARGET_ACCURACY, build_model, make_data
 
@@ -45,7 +50,7 @@ def main() -> int:
     with strategy.scope():
         model = build_model()
         model.compile(
-            optimizer=keras.optimizers.Adam(base_lr * collective.size()),
+            optimizer=keras.optimizers.Adam(base_lr),  # the reset callback below sets it for the job's size
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
@@ -68,11 +73,20 @@ def main() -> int:
         )
 
     train(state)
+    identical = replicas_identical(state)
     test = tf.data.Dataset.from_tensor_slices(make_data(2048, seed=2)).batch(256)
     loss, accuracy = model.evaluate(test, verbose=0)
     if collective.rank() == 0:
         print(f"{collective.size()} workers at the end: test loss {loss:.4f}, accuracy {accuracy:.4f}")
-    return 0 if accuracy >= TARGET_ACCURACY else 1
+        print("replicas identical (weights and optimizer state)" if identical else "replicas DIFFER")
+    return 0 if accuracy >= TARGET_ACCURACY and identical else 1
+
+
+def replicas_identical(state: elastic.KerasState) -> bool:
+    """Whether every worker holds bitwise the same weights and optimizer state (a digest each)."""
+    digest = hashlib.sha256(b"".join(np.asarray(v.numpy()).tobytes() for v in state.variables())).digest()
+    digests = collective.allgather(np.frombuffer(digest, np.uint8)[None, :])
+    return all(np.array_equal(d, digests[0]) for d in digests)
 
 
 if __name__ == "__main__":

@@ -68,15 +68,17 @@ class Job:
     """A launcher process; every process it starts carries a marker in its environment,
     so :meth:`kill` finds and kills them by pid even after they are re-parented."""
 
-    def __init__(self, argv: Sequence[str], env: Optional[Dict[str, str]] = None):
+    def __init__(self, argv: Sequence[str], env: Optional[Dict[str, str]] = None, output=None):
+        """``output``: a file that takes stdout and stderr (for a test that waits on the job
+        without reading its pipes); by default both are pipes."""
         self.marker = f"{_MARKER}={uuid.uuid4().hex}"
         key, value = self.marker.split("=")
         full_env = {**os.environ, **(env or {}), key: value}
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, full_env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=output or subprocess.PIPE,
+            stderr=subprocess.STDOUT if output else subprocess.PIPE,
             text=True,
             env=full_env,
             start_new_session=True,

@@ -9,7 +9,9 @@ from elasticdl_strategy.errors import ConfigError
 
 class CommitStateCallback(keras.callbacks.Callback):
     """After every training batch: advances the state's records, counts the batch, and commits
-    every ``batches_per_commit`` batches (at once when this worker was asked to leave).
+    every ``batches_per_commit`` batches, or at once on every worker when one was asked to leave
+    (with ``batches_per_commit > 1`` the workers vote on that after every batch, one all-reduce
+    of one integer: see :meth:`State.leave_pending`).
 
     Keeps ``state.batch`` / ``state.epoch`` up to date when the state has such
     values (``KerasState(model, epoch=0, batch=0)``), so that ``fit`` inside
@@ -47,7 +49,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         if "batch" in self._values():
             self.state.batch += 1
         self._since_commit += 1
-        if self._since_commit >= self.batches_per_commit or self.state.leave_requested:
+        if self._since_commit >= self.batches_per_commit or self.state.leave_pending():
             self._since_commit = 0
             self.state.commit()
 

@@ -35,10 +35,18 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     checkpoint if the state has a checkpoint directory (so a job started again
     after all workers died resumes from it). When a peer fails, the
     survivors re-form with the coordinator's next membership, roll back to the
-    last commit, sync, call the reset callbacks and call ``func`` again. When
-    workers join or leave at a commit, everyone re-forms at that commit
-    without rolling back. On SIGTERM this worker finishes its step, commits
-    and leaves (the process exits with code 0) while the others carry on.
+    last commit, sync and call ``func`` again. When workers join or leave at a
+    commit, everyone re-forms at that commit without rolling back. On SIGTERM
+    this worker commits with the others at the end of the step (see
+    :meth:`State.leave_pending`) and leaves (the process exits with code 0)
+    while the others carry on.
+
+    Before every sync — on entry and after every re-formation, on every member,
+    newcomers included — the state's reset callbacks run. They run before the
+    sync so that whatever they set in the state (a learning rate from
+    ``collective.size()``, a relative rescaling, a value a newcomer cannot
+    compute) ends as rank 0's on every rank; what they set outside the state,
+    every rank set for itself.
 
     ``func`` is called again from the top after every reset: create
     iterators and ``tf.function`` s inside it, and resume from the state
@@ -78,9 +86,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                         if worker.communicator.rank == 0:
                             state.load_checkpoint()
                     first_entry = False
+                    state.on_reset()
                     state.sync()
                     if reset is not None:
-                        state.on_reset()
                         _log_recovered(worker, state, reset)
                         reset = None
                     result = func(state, *args, **kwargs)
@@ -211,7 +219,7 @@ class _leave_on_sigterm:
 
     def _handle(self, signum, frame) -> None:
         if not self.state.leave_requested:
-            logger.warning("SIGTERM: this worker leaves the job at its next commit")
+            logger.warning("SIGTERM: this worker leaves the job at the next commit")
         self.state.leave_requested = True
 
     def __enter__(self):

@@ -112,7 +112,9 @@ class State:
         return list(self._variables)
 
     def register_reset_callbacks(self, callbacks: Sequence[Callable[[], None]]) -> None:
-        """Functions called after every re-formation, once the state is restored and synced.
+        """Functions that every member calls before training in a membership: when ``elastic.run``
+        starts and after every re-formation, newcomers included, after the rollback and before the
+        state is synced from rank 0 (so what they set in the state ends as rank 0's everywhere).
 
         Example: keep the learning rate proportional to the global batch::
 
@@ -121,8 +123,29 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """Calls the reset callbacks (``elastic.run`` does, on every member alike)."""
         for callback in self._reset_callbacks:
             callback()
+
+    def leave_pending(self) -> bool:
+        """Whether any member was asked to leave (SIGTERM) and waits for a commit to do it.
+
+        A vote of all members (an all-reduce of one integer): call it on every
+        member at the same point of the loop, say after every step; all get the
+        same answer. Committing when it is true lets the leavers go at that
+        commit, within a step of the signal, and the others re-form without
+        them, nothing rolled back::
+
+            if step % 10 == 0 or state.leave_pending():
+                state.commit()
+
+        Without it a leaver leaves at the next commit the loop makes anyway.
+        """
+        communicator = collective.communicator()
+        if communicator.size == 1:
+            return self.leave_requested
+        votes = communicator.allreduce(np.array([int(self.leave_requested)], np.int64), op="sum")
+        return bool(votes[0])
 
     # Snapshots --------------------------------------------------------------------------------
 
@@ -322,6 +345,10 @@ class KerasState(State):
         return variables
 
     def _prepare_sync(self) -> None:
+        self._build_optimizer()
+
+    def _build_optimizer(self) -> None:
+        """Creates the optimizer's slots if Keras has not yet (a newcomer that has not trained)."""
         if self.optimizer is not None and not self.optimizer.built:
             from elasticdl_strategy.strategy.all_reduce_strategy import no_broadcast_at_creation
 
@@ -330,6 +357,7 @@ class KerasState(State):
                 self.optimizer.build(self.model.trainable_variables)
 
     def on_reset(self) -> None:
+        self._build_optimizer()  # callbacks may set slots or hyperparameters
         for name in ("train_function", "test_function", "predict_function"):
             if hasattr(self.model, name):
                 setattr(self.model, name, None)

@@ -126,14 +126,42 @@ def test_strategy_examples_reach_their_target_accuracy_on_two_workers(example, e
 
 
 @pytest.mark.slow
-def test_elastic_example_reaches_its_target_accuracy(tmp_path):
+def test_elastic_example_survives_a_kill_with_identical_replicas(tmp_path):
+    # 4 workers for 3 places: one waits as a standby. A member killed in the second epoch is
+    # replaced by the standby at once; its reset callback scales the learning rate like everyone's.
     path = os.path.join(REPO_ROOT, "examples", "elastic_keras.py")
-    command = [sys.executable, path, "--epochs", "3", "--samples", "4096", "--checkpoint-dir", str(tmp_path)]
-    job = run_job(3, command, extra=["--min-workers", "2", "--max-restarts", "1"], timeout=240)
-    assert job.returncode == 0, job.stderr[-3000:]
-    assert "3 workers at the end: test loss" in job.stdout
-    assert "ran out of data" not in job.stderr  # epochs of any length are expected, not warned about
-    assert (tmp_path / "latest").exists()
+    command = [sys.executable, path, "--epochs", "4", "--samples", "4096", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    flags = ["--min-workers", "2", "--max-workers", "3", "--heartbeat-timeout", "3"]
+    log_path = tmp_path / "job.log"
+    with open(log_path, "w") as log:
+        job = Job(launcher_argv(4, command, flags), output=log)
+        try:
+            victim = _member_pid_once_training(job, log_path, rank=1, deadline=time.monotonic() + 120)
+            os.kill(victim, signal.SIGKILL)
+            code = job.proc.wait(timeout=240)
+        finally:
+            job.kill()
+    output = log_path.read_text()
+    assert code == 0, output[-3000:]
+    assert "3 workers at the end: test loss" in output, output[-3000:]
+    assert "replicas identical (weights and optimizer state)" in output
+    assert "ran out of data" not in output  # epochs of any length are expected, not warned about
+    assert (tmp_path / "ckpt" / "latest").exists()
+
+
+def _member_pid_once_training(job, log_path, rank, deadline):
+    """The pid of the first membership's ``rank``, once the job prints its second epoch."""
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        lines = log_path.read_text().splitlines()
+        formed = [line for line in lines if "membership version 0 -> 1 (formed)" in line]
+        if formed and any("Epoch 2/" in line for line in lines):
+            worker_id = formed[0].rsplit("-> [", 1)[1].strip("]").replace("'", "").split(", ")[rank]
+            for pid in job.pids():
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"EDL_WORKER_ID={worker_id}".encode() in f.read().split(b"\0"):
+                        return pid
+        time.sleep(0.1)  # polling the job's output
+    raise AssertionError("the job did not reach its second epoch:\n" + log_path.read_text()[-3000:])
 
 
 @pytest.mark.slow
