@@ -12,11 +12,12 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import grpc
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +47,23 @@ def call_metadata(token: str) -> Tuple[Tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, token),)
 
 
-def _reject(message: str) -> Callable:
-    def handler(request_or_iterator, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    return handler
+_refusals = RefusalLog(logger, what="calls")
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that aborts at once."""
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_reject(message))
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_reject(message))
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_reject(message))
-    return grpc.unary_unary_rpc_method_handler(_reject(message))
+def _rejecting_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
+    """A handler that aborts at once, whatever the method's kind.
+
+    It takes the request as a stream and never reads it: for a handler with a
+    unary request gRPC would first wait, in a server thread, for the request
+    message, which a client that sends only headers never sends (each such
+    call would hold a thread for good).
+    """
+
+    def reject(request_iterator, context):
+        _refusals.refused(grpc_peer_host(context.peer()), reason)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} rejected: the call carried {reason}")
+
+    return grpc.stream_stream_rpc_method_handler(reject)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -88,8 +90,4 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if presented is not None and hmac.compare_digest(presented, self._token):
             return continuation(handler_call_details)
         reason = "no job token" if presented is None else "a wrong job token"
-        logger.warning("rejected %s: the call carried %s", method, reason)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        return _rejecting_handler(handler, f"{method} rejected: the call carried {reason}")
+        return _rejecting_handler(method, reason)

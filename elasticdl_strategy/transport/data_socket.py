@@ -26,18 +26,24 @@ import socket
 import ssl
 import struct
 import threading
-from typing import Dict, Optional, Tuple
+import time
+from typing import Dict, Optional
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.refusals import RefusalLog, normalize_host
 
 logger = logging.getLogger(__name__)
+_refusals = RefusalLog(logger, what="data connections")
 
 TICKET_BYTES = 32
 _ACCEPTED = b"\x01"  # the listener's answer to a valid ticket, before the sender commits to the socket
 _LENGTH = struct.Struct("<I")
-# Connections still to present their ticket, at most: more are closed at once (a flood of
-# connections that send nothing must not pile up threads).
+# Connections still to present their ticket, at most, in all and from one address: more are
+# closed at once (a flood of connections that send nothing must not pile up threads).
 MAX_PENDING_CONNECTIONS = 64
+MAX_PENDING_PER_SOURCE = 16
+# How often the acceptor closes connections past their deadline for presenting a ticket.
+REAP_INTERVAL_S = 0.25
 
 
 class DataSocketClosed(Exception):
@@ -157,8 +163,12 @@ def connect(
         _tune(sock, keepalive_s)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=server_name or host)
-        sock.sendall(ticket)
-        if sock.recv(1) != _ACCEPTED:
+        try:
+            sock.sendall(ticket)
+            accepted = sock.recv(1) == _ACCEPTED
+        except (ConnectionResetError, BrokenPipeError):  # closed before reading (refused at accept)
+            accepted = False
+        if not accepted:
             raise ConnectionRefusedError(f"{host}:{port} refused the data connection")
     except OSError:
         sock.close()
@@ -172,14 +182,28 @@ def host_of(address: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+class _Pending:
+    """A connection that has yet to present its ticket, and the time it must have by."""
+
+    def __init__(self, sock: socket.socket, source: str, deadline: float):
+        self.sock, self.source, self.deadline = sock, source, deadline
+
+
 class DataSocketListener:
     """Accepts data sockets on ``host:port`` (port 0: any free port), over ``tls``
     when given, and hands each to the stream whose ticket it presents.
 
+    A connection is taken only from an address a ticket was given to (on an
+    authenticated stream; a ticket for ``source=None`` allows any address),
+    only while fewer than :data:`MAX_PENDING_PER_SOURCE` connections from that
+    address and :data:`MAX_PENDING_CONNECTIONS` in all wait for their ticket,
+    and it must present the ticket (and finish its TLS handshake) within
+    ``ticket_timeout_s`` in all; otherwise it is closed.
+
     Example::
 
         listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=5 << 20)
-        ticket = listener.expect()                  # sent to the peer on its gRPC stream
+        ticket = listener.expect("127.0.0.1")       # sent to the peer on its gRPC stream
         frames = listener.claim(ticket, timeout=10)  # the peer's connection
 
     Raises:
@@ -203,13 +227,15 @@ class DataSocketListener:
         self._ticket_timeout_s = ticket_timeout_s
         self._cond = threading.Condition()
         self._expected: Dict[bytes, Optional[FrameSocket]] = {}
+        self._awaiting: Dict[bytes, Optional[str]] = {}  # tickets without a connection yet: their source
+        self._pending: Dict[int, _Pending] = {}
         self._closed = False
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_CONNECTIONS)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
             self._sock.listen(64)
+            self._sock.settimeout(REAP_INTERVAL_S)
         except OSError as e:
             self._sock.close()
             raise ConfigError(f"cannot listen for data sockets on {host}:{port}: {e.strerror}") from None
@@ -217,11 +243,13 @@ class DataSocketListener:
         self._acceptor = threading.Thread(target=self._accept_loop, name="edl-data-accept", daemon=True)
         self._acceptor.start()
 
-    def expect(self) -> bytes:
-        """Registers and returns a fresh ticket for one connection."""
+    def expect(self, source: Optional[str] = None) -> bytes:
+        """Registers and returns a fresh ticket for one connection from the IP address
+        ``source`` (``None``: from any address)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._cond:
             self._expected[ticket] = None
+            self._awaiting[ticket] = normalize_host(source) if source else None
         return ticket
 
     def claim(self, ticket: bytes, timeout: float) -> FrameSocket:
@@ -233,6 +261,7 @@ class DataSocketListener:
         with self._cond:
             arrived = self._cond.wait_for(lambda: self._expected.get(ticket) is not None or self._closed, timeout)
             frames = self._expected.pop(ticket, None)
+            self._awaiting.pop(ticket, None)
         if not arrived or frames is None:
             if frames is not None:
                 frames.close()
@@ -245,6 +274,7 @@ class DataSocketListener:
         """Forgets an unused ticket (closing its connection if one arrived)."""
         with self._cond:
             frames = self._expected.pop(ticket, None)
+            self._awaiting.pop(ticket, None)
         if frames is not None:
             frames.close()
 
@@ -253,6 +283,7 @@ class DataSocketListener:
             self._closed = True
             leftovers = [f for f in self._expected.values() if f is not None]
             self._expected.clear()
+            self._awaiting.clear()
             self._cond.notify_all()
         for frames in leftovers:
             frames.close()
@@ -267,26 +298,62 @@ class DataSocketListener:
         while True:
             try:
                 conn, peer = self._sock.accept()
+            except socket.timeout:
+                self._reap(time.monotonic())
+                continue
             except OSError:
                 return  # closed
-            if not self._pending.acquire(blocking=False):
-                logger.warning("refused a data connection from %s: too many connections without a ticket", peer[0])
+            source = normalize_host(peer[0])
+            with self._cond:
+                refusal = self._refusal(source)
+                if refusal is None:
+                    pending = _Pending(conn, source, time.monotonic() + self._ticket_timeout_s)
+                    self._pending[id(pending)] = pending
+            if refusal is not None:
+                _refusals.refused(source, refusal)
                 conn.close()
                 continue
-            threading.Thread(target=self._admit, args=(conn, peer), name="edl-data-admit", daemon=True).start()
+            threading.Thread(target=self._admit, args=(pending,), name="edl-data-admit", daemon=True).start()
 
-    def _admit(self, conn: socket.socket, peer: Tuple) -> None:
+    def _refusal(self, source: str) -> Optional[str]:
+        """Why a new connection from ``source`` is refused before it is read, or ``None``."""
+        sources = set(self._awaiting.values())
+        if source not in sources and None not in sources:
+            return "from an address no ticket was given to"
+        if len(self._pending) >= MAX_PENDING_CONNECTIONS:
+            return "beyond the connections waiting for a ticket"
+        if sum(p.source == source for p in self._pending.values()) >= MAX_PENDING_PER_SOURCE:
+            return "beyond the connections waiting for a ticket from one address"
+        return None
+
+    def _reap(self, now: float) -> None:
+        """Shuts down the connections that missed their deadline (their admission then ends)."""
+        with self._cond:
+            late = [p for p in self._pending.values() if p.deadline <= now]
+        for pending in late:
+            try:
+                socket.socket.shutdown(pending.sock, socket.SHUT_RDWR)  # the plain socket, even under TLS
+            except OSError:
+                pass
+
+    def _admit(self, pending: _Pending) -> None:
         """Reads the ticket (bounded in time) and hands the connection over, or closes it."""
         try:
-            self._hand_over(conn, peer)
+            self._hand_over(pending)
         finally:
-            self._pending.release()
+            with self._cond:
+                self._pending.pop(id(pending), None)
 
-    def _hand_over(self, conn: socket.socket, peer: Tuple) -> None:
+    def _hand_over(self, pending: _Pending) -> None:
+        conn = pending.sock
         try:
             conn.settimeout(self._ticket_timeout_s)
             if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)  # the handshake, within the timeout
+                conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                pending.sock = conn  # what the reaper shuts down from now on
+                if pending.deadline <= time.monotonic():
+                    raise TimeoutError("no ticket in time")
+                conn.do_handshake()
             ticket = b""
             while len(ticket) < TICKET_BYTES:
                 part = conn.recv(TICKET_BYTES - len(ticket))
@@ -297,14 +364,21 @@ class DataSocketListener:
         except OSError:
             ticket = b""
         with self._cond:
-            accepted = len(ticket) == TICKET_BYTES and ticket in self._expected and self._expected[ticket] is None
+            accepted = (
+                len(ticket) == TICKET_BYTES
+                and self._expected.get(ticket, False) is None
+                and self._awaiting.get(ticket, "") in (None, pending.source)
+                and pending.deadline > time.monotonic()
+                and self._pending.pop(id(pending), None) is not None  # the reaper cannot touch it now
+            )
             if accepted:
                 try:
                     conn.sendall(_ACCEPTED)  # one byte into an empty send buffer: does not block
                     self._expected[ticket] = FrameSocket(conn, self._max_frame)
+                    del self._awaiting[ticket]
                     self._cond.notify_all()
                 except OSError:
                     accepted = False
         if not accepted:
-            logger.warning("refused a data connection from %s: no valid ticket", peer[0])
+            _refusals.refused(pending.source, "without a valid ticket in time")
             conn.close()

@@ -33,6 +33,7 @@ from elasticdl_strategy.transport.auth import call_metadata
 from elasticdl_strategy.transport.data_socket import DataSocketClosed, DataSocketListener, FrameSocket, connect
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
+from elasticdl_strategy.transport.refusals import grpc_peer_host
 from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
 
 logger = logging.getLogger(__name__)
@@ -516,7 +517,7 @@ class PeerService:
                 arena, answer.shared_memory_refusal = ReceiveArena.open(self._shared_memory_dir, hello.shared_memory)
                 answer.shared_memory_accepted = arena is not None
             if hello.data_socket and self._data_sockets is not None:
-                ticket = self._data_sockets.expect()
+                ticket = self._data_sockets.expect(source=grpc_peer_host(context.peer()))
                 answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket
         error: Optional[str] = "the stream ended without a goodbye (the sender died or lost its connection)"
         goodbye = None

@@ -126,6 +126,8 @@ def test_random_failures_keep_exactly_once_and_identical_replicas(tmp_path, tria
         versions = [version for version, _ in report["resets"]]
         assert versions == sorted(set(versions)), (worker_id, "callbacks ran twice in a membership", context)
         assert versions[-1] == report["version"], (worker_id, report["resets"], context)
+        trained_in = {int(line.split()[0]) for line in (tmp_path / f"{worker_id}.steps").read_text().splitlines()}
+        assert trained_in <= set(versions), (worker_id, "trained without its callbacks", trained_in, context)
     counts = np.array(first["counts"])
     assert counts.shape == (RECORDS,) and np.all(counts == EPOCHS), (counts.min(), counts.max(), context)
     if config["faults"][0]["kind"] == "term":

@@ -1,5 +1,9 @@
 """The job token: calls without it or with a wrong one are rejected and change nothing."""
 
+import logging
+import threading
+from concurrent import futures
+
 import grpc
 import numpy as np
 import pytest
@@ -9,7 +13,8 @@ from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.errors import AuthenticationError, ConfigError
 from elasticdl_strategy.transport import frames
-from elasticdl_strategy.transport.auth import TOKEN_METADATA_KEY, new_token
+from elasticdl_strategy.transport.auth import TOKEN_METADATA_KEY, TokenAuthInterceptor, call_metadata, new_token
+from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import ABORT_METHOD, TRANSFER_METHOD
 from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc, peer_pb2
@@ -49,10 +54,61 @@ def test_peer_rpcs_without_the_token_are_rejected_and_the_ring_is_unaffected(clu
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     channel.close()
 
-    assert "rejected" in caplog.text and cluster.token not in caplog.text
+    assert cluster.token not in caplog.text and "x" * 64 not in caplog.text  # refusals are logged, never tokens
     results = cluster.run(lambda c: c.allreduce(np.full(3, c.rank + 1.0)))
     for r in results:
         np.testing.assert_array_equal(r, [3.0, 3.0, 3.0])
+
+
+def test_calls_that_send_headers_but_no_request_hold_no_server_thread():
+    # A server of 2 threads; 6 calls without the token send their headers and never their
+    # request. Rejected at once, they leave both threads free for a legitimate call.
+    token = new_token()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[TokenAuthInterceptor(token)])
+    echo = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Echo", {"Call": echo})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    never = threading.Event()
+
+    def silent():
+        never.wait(30)
+        yield b""
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            half_open = channel.stream_unary("/test.Echo/Call")
+            calls = [half_open.future(silent(), timeout=30) for _ in range(6)]
+            for call in calls:
+                assert call.exception(timeout=5).code() == grpc.StatusCode.UNAUTHENTICATED
+            reply = channel.unary_unary("/test.Echo/Call")(b"hi", metadata=call_metadata(token), timeout=2)
+            assert reply == b"hi"
+    finally:
+        never.set()
+        server.stop(0)
+
+
+def test_refusals_are_logged_once_per_source_per_interval(caplog):
+    now = [0.0]
+    refusals = RefusalLog(logging.getLogger("test.refusals"), what="calls", interval_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        for second in range(25):  # 3 refusals a second from one source, 1 a second from another
+            now[0] = float(second)
+            for _ in range(3):
+                refusals.refused("10.0.0.7", "no job token")
+            refusals.refused("10.0.0.8", "a wrong job token")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6  # at 0, 10 and 20 s for each source
+    assert lines[0] == "refused 1 calls from 10.0.0.7: 1 no job token"
+    assert "refused 30 calls from 10.0.0.7 in the last 10s: 30 no job token" in lines
+    assert "refused 10 calls from 10.0.0.8 in the last 10s: 10 a wrong job token" in lines
+
+
+def test_grpc_peer_strings_give_the_peer_address():
+    assert grpc_peer_host("ipv4:10.0.0.3:5123") == "10.0.0.3"
+    assert grpc_peer_host("ipv6:%5B::1%5D:5123") == "::1"
+    assert grpc_peer_host("ipv6:[::ffff:10.0.0.3]:5123") == "10.0.0.3"
+    assert grpc_peer_host("unix:/tmp/socket") is None
 
 
 def test_health_answers_without_a_token(cluster):

@@ -205,6 +205,7 @@ def test_a_receiver_that_stops_its_server_ends_the_streams_on_its_data_sockets()
 def test_connections_that_never_present_a_ticket_cannot_pile_up(monkeypatch):
     monkeypatch.setattr(data_socket, "MAX_PENDING_CONNECTIONS", 2)
     listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=MAX_FRAME, ticket_timeout_s=30.0)
+    listener.expect()  # a ticket is out: connections are let in to present it
     silent = [socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) for _ in range(2)]
     try:
         with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as third:
@@ -226,4 +227,55 @@ def test_connections_that_never_present_a_ticket_cannot_pile_up(monkeypatch):
     finally:
         for s in silent:
             s.close()
+        listener.close()
+
+
+def test_a_connection_from_an_address_without_a_ticket_is_closed_at_once():
+    listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=MAX_FRAME, ticket_timeout_s=30.0)
+    try:
+        for expected in [[], ["10.9.9.9"]]:  # no ticket at all; a ticket for another address only
+            for source in expected:
+                listener.expect(source)
+            with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as stranger:
+                started = time.monotonic()
+                assert _closed_by_peer(stranger)
+                assert time.monotonic() - started < 5.0  # not after the 30 s ticket timeout
+        ticket = listener.expect("127.0.0.1")
+        connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, MAX_FRAME).close()
+    finally:
+        listener.close()
+
+
+def test_connections_from_one_address_waiting_for_their_ticket_are_bounded(monkeypatch):
+    monkeypatch.setattr(data_socket, "MAX_PENDING_PER_SOURCE", 2)
+    listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=MAX_FRAME, ticket_timeout_s=30.0)
+    listener.expect("127.0.0.1")
+    silent = [socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as third:
+            started = time.monotonic()
+            assert _closed_by_peer(third)
+            assert time.monotonic() - started < 5.0
+    finally:
+        for s in silent:
+            s.close()
+        listener.close()
+
+
+def test_a_ticket_dripped_byte_by_byte_misses_the_total_deadline():
+    # One byte every 0.1 s: each read is well within the 1 s timeout, the whole ticket is not.
+    listener = DataSocketListener("127.0.0.1", 0, keepalive_s=2.0, max_frame=MAX_FRAME, ticket_timeout_s=1.0)
+    ticket = listener.expect("127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=5.0) as drip:
+            started = time.monotonic()
+            try:
+                for byte in ticket:
+                    drip.sendall(bytes([byte]))
+                    time.sleep(0.1)  # the slow client's pace, not a wait for the server
+            except OSError:
+                pass  # closed under it
+            assert _closed_by_peer(drip)  # never accepted
+            assert time.monotonic() - started < 3.0  # the whole ticket would have taken 3.2 s
+    finally:
         listener.close()
