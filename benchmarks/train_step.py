@@ -531,7 +531,8 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
     print(
         f"Breakdown of ours (ms/step): step {step:.2f} = gradient all-reduce {comm:.2f} "
         f"(collective.allreduce of {format_mib(4 * ours.data['params'])} in one call, timed separately) "
-        f"+ compute and the rest {step - comm:.2f}; this rank sent {format_mib(ours.data['sent_bytes_per_step'])}/step; "
+        f"+ compute and the rest {step - comm:.2f}; "
+        f"this rank sent {format_mib(ours.data['sent_bytes_per_step'])}/step; "
         f"{ours.data['buckets_per_step']:g} bucket all-reduce(s)/step (buckets <= {args.bucket_mib[0]:g} MiB); "
         f"staging buffers allocated per timed step (all variants): {ours.data['staging_allocations_per_step']:g}"
     )

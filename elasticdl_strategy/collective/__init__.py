@@ -88,7 +88,8 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
         _install_failure_hook()
         if parsed is None:
             logger.warning(
-                "elasticdl_strategy: %s is not set (not started by the launcher): running as a single worker, rank 0 of 1",
+                "elasticdl_strategy: %s is not set (not started by the launcher): "
+                "running as a single worker, rank 0 of 1",
                 COORDINATOR_ADDR,
             )
             _worker = Worker.single()

@@ -297,7 +297,8 @@ class PointToPoint:
     def open_stream(self, hello: peer_pb2.StreamHello) -> "_InboundStream":
         if hello.membership_version != self.membership_version:
             raise ValueError(
-                f"stream from membership version {hello.membership_version}, this worker is at {self.membership_version}"
+                f"stream from membership version {hello.membership_version}, "
+                f"this worker is at {self.membership_version}"
             )
         if not 0 <= hello.src_rank < self.size or hello.src_rank == self.rank:
             raise ValueError(f"stream from invalid rank {hello.src_rank} (size {self.size})")

@@ -17,9 +17,9 @@ from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.environment import WorkerEnvironment
-from elasticdl_strategy.transport.protos import coordinator_pb2
 from elasticdl_strategy.transport.allocator import tune_for_streaming
 from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.protos import coordinator_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ import time
 from typing import Dict, List, Optional
 
 import grpc
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership

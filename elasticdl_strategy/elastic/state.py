@@ -24,8 +24,12 @@ import numpy as np
 from elasticdl_strategy import collective
 from elasticdl_strategy.data.records import ElasticRecords, Position
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
-from elasticdl_strategy.errors import CollectiveMismatchError, CommitAbortedError, ConfigError
-from elasticdl_strategy.errors import MembershipChangedInterrupt
+from elasticdl_strategy.errors import (
+    CollectiveMismatchError,
+    CommitAbortedError,
+    ConfigError,
+    MembershipChangedInterrupt,
+)
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ import tensorflow as tf
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
 from elasticdl_strategy.strategy import bridge, checkpoints, keras_compat
-from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -29,6 +28,7 @@ from elasticdl_strategy.strategy.tf_compat import (
     ops,
     reduce_util,
 )
+from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 
 
 class AllReduceStrategy(distribute_lib.Strategy):
@@ -198,7 +198,9 @@ def _broadcast_at_creation() -> bool:
 
 
 def no_broadcast_at_creation():
-    """Creates variables without the creation-time broadcast (the caller syncs them itself)::
+    """Creates variables without the creation-time broadcast (the caller syncs them itself).
+
+    Example::
 
         with no_broadcast_at_creation():
             counter = tf.Variable(0)

@@ -187,8 +187,6 @@ def _adapt_epoch_length(strategy_class: type) -> None:
     EpochIterator.catch_stop_iteration = _epochs_of_any_length(catch, strategy_class)
 
 
-
-
 def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
     """Wraps the Keras optimizer's gradient all-reduce with a check that it reaches the ring."""
     import tensorflow as tf
@@ -448,13 +446,19 @@ def _written_once(save, strategy_class: type):
 
 # (name, install, what a Keras that lacks its internals loses)
 _ADAPTATIONS: List[Tuple[str, Callable[[type], None], str]] = [
-    ("predict and per-step logs", _adapt_per_replica_reduction,
-     "predict returns this worker's rows only and per-step logs are this worker's"),
+    (
+        "predict and per-step logs",
+        _adapt_per_replica_reduction,
+        "predict returns this worker's rows only and per-step logs are this worker's",
+    ),
     ("saving on rank 0", _adapt_saving, "Model.save and save_weights write on every worker"),
     ("gradient check", _adapt_gradient_check, "a conservative check on Optimizer.apply is used instead"),
     ("loss scale", _adapt_loss_scale, "losses are scaled by 1/workers in float32"),
-    ("loss scaling", _adapt_loss_scaling,
-     "LossScaleOptimizer judges each worker's own gradients (an overflow on one worker desynchronizes)"),
+    (
+        "loss scaling",
+        _adapt_loss_scaling,
+        "LossScaleOptimizer judges each worker's own gradients (an overflow on one worker desynchronizes)",
+    ),
     ("numpy shuffle", _adapt_numpy_shuffle, "fit(x, y, shuffle=True) on numpy arrays repeats and skips rows"),
     ("file callbacks", _callbacks_write_on_rank_0, "TensorBoard, CSVLogger and BackupAndRestore write on every worker"),
     ("local build", _adapt_local_build, "building from a first batch may mismatch when shares differ"),

@@ -8,7 +8,9 @@ from typing import Iterator
 
 
 class ThreadFlag:
-    """Example::
+    """A flag set for the current thread only, inside ``with flag():``.
+
+    Example::
 
         suspended = ThreadFlag()
         with suspended():

@@ -127,8 +127,15 @@ def test_a_message_delivered_while_another_stream_thread_aborts_gets_the_abort_n
             super().fail_channel(channel, make_error)
 
     p2p = types.SimpleNamespace(
-        rank=2, size=3, options=TransportOptions(), mailbox=SlowAbortMailbox(rank=2), membership_version=1,
-        worker_ids=["w0", "w1", "w2"], header_observer=None, abort_observer=None, failure_observer=None,
+        rank=2,
+        size=3,
+        options=TransportOptions(),
+        mailbox=SlowAbortMailbox(rank=2),
+        membership_version=1,
+        worker_ids=["w0", "w1", "w2"],
+        header_observer=None,
+        abort_observer=None,
+        failure_observer=None,
         send_abort=lambda kind, reason, ranks: None,
     )
     comm = Communicator(p2p)

@@ -2,8 +2,9 @@
 
 float64, so that the only difference (the order of a few additions) stays at
 round-off level (~1e-16 with SGD; Adam's normalized steps amplify it to ~1e-12,
-hence 1e-9 tolerances, far inside the 1e-5 the issue asks for); the workers seed their initializers differently, so equal
-results also show that variables start from rank 0's values.
+hence 1e-9 tolerances, far inside the 1e-5 the issue asks for); the workers seed
+their initializers differently, so equal results also show that variables start
+from rank 0's values.
 """
 
 import sys

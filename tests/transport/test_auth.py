@@ -7,6 +7,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticdl_strategy.coordinator import CoordinatorParams
 from elasticdl_strategy.coordinator.client import CoordinatorClient
@@ -14,11 +15,10 @@ from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.errors import AuthenticationError, ConfigError
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.auth import TOKEN_METADATA_KEY, TokenAuthInterceptor, call_metadata, new_token
-from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import ABORT_METHOD, TRANSFER_METHOD
 from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc, peer_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
 from tests.cluster import ThreadCluster
 
 BAD_METADATA = [None, ((TOKEN_METADATA_KEY, "x" * 64),)]

@@ -2,9 +2,9 @@
 
 import ast
 import os
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import numpy as np
 import pytest
@@ -47,7 +47,7 @@ def test_committed_stubs_match_proto(tmp_path, name, module):
     )
     committed_grpc = (PROTO_DIR / f"{name}_pb2_grpc.py").read_text()
     fresh_grpc = (out / f"{name}_pb2_grpc.py").read_text()
-    strip = lambda t: "\n".join(l for l in t.splitlines() if not l.startswith("GRPC_GENERATED_VERSION"))  # noqa: E731
+    strip = lambda t: "\n".join(line for line in t.splitlines() if not line.startswith("GRPC_GENERATED_VERSION"))  # noqa: E731
     assert strip(fresh_grpc) == strip(committed_grpc), f"{name}_pb2_grpc.py is stale: regenerate it"
 
 

@@ -7,11 +7,11 @@ import ssl
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.data_socket import DataSocketClosed, DataSocketListener, connect
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.cluster import ThreadCluster
 
 

@@ -102,7 +102,6 @@ def main(results_dir: str) -> None:
             tf1[name] = [type(e).__name__, str(e)]
     out["tf1"] = tf1
 
-
     with strategy.scope():
         v = tf.Variable(np.full(3, float(rank)))  # rank 0's value wins at creation
     out["variable_at_creation"] = v.numpy().tolist()
