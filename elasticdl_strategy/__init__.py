@@ -8,7 +8,12 @@ Layers, bottom-up: :mod:`~elasticdl_strategy.transport` (gRPC, streaming, auth),
 :mod:`~elasticdl_strategy.launcher` (local processes).
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# A library configures no logging for its users (see elasticdl_strategy.logs for the job's own processes).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["AllReduceStrategy", "__version__"]
 

@@ -9,10 +9,11 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from typing import List, NoReturn, Optional, Tuple
 
+from elasticdl_strategy import logs
 from elasticdl_strategy.errors import ConfigError
 
 PROG = "elasticdl-strategy"
@@ -114,11 +115,17 @@ def _k8s(argv: List[str]) -> int:
 
 
 _COMMANDS = {"run": _run, "k8s": _k8s, "coordinator": _coordinator}
+_ROLES = {"run": "launcher", "k8s": "k8s", "coordinator": "coordinator"}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    role = _ROLES.get(argv[0] if argv else "", "cli")
+    try:
+        logs.configure(lambda: role, os.environ)
+    except ConfigError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
     if not argv or argv[0] in ("-h", "--help"):
         print(
             __doc__.strip().replace("The ``elasticdl-strategy`` command", f"usage: {PROG} COMMAND ...\n\nThe command")

@@ -36,6 +36,7 @@ from elasticdl_strategy.collective.p2p import Request
 from elasticdl_strategy.collective.worker import Worker
 from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
 from elasticdl_strategy.errors import ElasticDLError, JobFinished
+from elasticdl_strategy.logs import configure as configure_logging
 
 __all__ = [
     "init",
@@ -84,16 +85,20 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
     with _lock:
         if _worker is not None:
             return
-        parsed = WorkerEnvironment.from_env(os.environ if env is None else env)
+        env = os.environ if env is None else env
+        parsed = WorkerEnvironment.from_env(env)
         _install_failure_hook()
         if parsed is None:
+            configure_logging(lambda: "single worker", env)
             logger.warning(
-                "elasticdl_strategy: %s is not set (not started by the launcher): "
+                "%s is not set (not started by the launcher): "
                 "running as a single worker, rank 0 of 1",
                 COORDINATOR_ADDR,
             )
             _worker = Worker.single()
         else:
+            worker_id = parsed.worker_id
+            configure_logging(lambda: _describe_worker(worker_id), env)
             try:
                 _worker = Worker.join(parsed)
             except JobFinished as e:
@@ -101,6 +106,14 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
                 raise SystemExit(0) from None
         # Leave cleanly at exit, before the interpreter stops the thread pools gRPC relies on.
         getattr(threading, "_register_atexit", atexit.register)(lambda: shutdown(finished=_finished_at_exit()))
+
+
+def _describe_worker(worker_id: str) -> str:
+    """``"worker-1 rank 0/2"`` (its current rank and size), or ``"worker-1 joining"``."""
+    worker = _worker
+    if worker is None:
+        return f"{worker_id} joining"
+    return f"{worker_id} rank {worker.communicator.rank}/{worker.communicator.size}"
 
 
 _crashed = False

@@ -397,8 +397,7 @@ class Communicator:
         ids = self.p2p.worker_ids
         names = ", ".join(f"{r} ({ids[r]})" if r < len(ids) and ids[r] else str(r) for r in waiting)
         logger.warning(
-            "rank %d: collective #%d %s has waited %.0fs; still waiting for rank(s) %s",
-            self.rank,
+            "collective #%d %s has waited %.0fs; still waiting for rank(s) %s",
             descriptor.sequence,
             _describe(descriptor),
             self.p2p.options.slow_warning_s,
@@ -487,7 +486,7 @@ class Communicator:
                 ranks=list(ranks),
             )
             self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
-        logger.error("rank %d: collectives aborted: %s", self.rank, reason)
+        logger.error("collectives aborted: %s", reason)
         active = self._active
         if active is not None:  # a send stuck behind a dead or silent peer must not hold the caller
             for request in list(active.sends):

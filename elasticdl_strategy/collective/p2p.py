@@ -313,7 +313,7 @@ class PointToPoint:
                 return
             self._failed[peer] = reason
         if not clean:
-            logger.warning("rank %d: %s failed: %s", self.rank, self.describe_peer(peer), reason)
+            logger.warning("%s failed: %s", self.describe_peer(peer), reason)
         self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
         if self.failure_observer is not None:
             self.failure_observer(peer, reason, clean)
@@ -396,7 +396,7 @@ class PointToPoint:
         try:
             return SendArena(self.options.shared_memory_dir, self.options.shm_slots, self.options.shm_slot_size)
         except OSError as e:
-            logger.debug("rank %d: no shared-memory arena (%s); sending over gRPC", self.rank, e)
+            logger.debug("no shared-memory arena (%s); sending over gRPC", e)
             return None
 
     def close(self, timeout: float = 5.0, abort: Optional[peer_pb2.AbortRequest] = None) -> None:

@@ -109,8 +109,7 @@ class Worker:
             raise
         worker = cls(membership, env.worker_id, communicator, server, client, env, registered.joins_running_job)
         logger.info(
-            "worker %s is rank %d of %d (membership version %d)",
-            env.worker_id,
+            "joined as rank %d of %d (membership version %d)",
             rank,
             membership.size,
             membership.version,
@@ -129,9 +128,8 @@ class Worker:
             return
         self._replaced = True
         logger.error(
-            "worker %s: a new process registered under this worker id (this one was restarted or relaunched "
-            "while it hung): this process stops",
-            self.worker_id,
+            "a new process registered under this worker id (this one was restarted or relaunched "
+            "while it hung): this process stops"
         )
         p2p = self.communicator.p2p
         for rank in range(p2p.size):
@@ -161,22 +159,18 @@ class Worker:
                 return
             if response.membership_version < self.membership.version:
                 logger.warning(
-                    "worker %s: the coordinator is at membership version %d, behind this worker's %d "
+                    "the coordinator is at membership version %d, behind this worker's %d "
                     "(it restarted): registering again so that it recovers the job",
-                    self.worker_id,
                     response.membership_version,
                     self.membership.version,
                 )
             elif response.membership_version == self.membership.version:
-                logger.info(
-                    "worker %s: the restarted coordinator asks for this worker's view of the job", self.worker_id
-                )
+                logger.info("the restarted coordinator asks for this worker's view of the job")
             elif not self._declared_dead:
                 self._declared_dead = True
                 logger.error(
-                    "worker %s: the coordinator declared this worker dead (its heartbeats were late); "
-                    "its peers no longer count on it: it registers again and waits to rejoin",
-                    self.worker_id,
+                    "the coordinator declared this worker dead (its heartbeats were late); "
+                    "its peers no longer count on it: it registers again and waits to rejoin"
                 )
             self.reregister()
             return
@@ -249,10 +243,8 @@ class Worker:
         # Goodbyes to the old peers in the background: a hung peer must not delay training.
         threading.Thread(target=previous.close, kwargs={"timeout": 2.0}, name="edl-close-old", daemon=True).start()
         elapsed = time.monotonic() - started
-        logger.warning(
-            "worker %s: membership version %d -> %d (%s; coordinator: %s): %s -> %s; now rank %d of %d "
-            "(re-formed in %.2fs)",
-            self.worker_id,
+        logger.info(
+            "membership version %d -> %d (%s; coordinator: %s): %s -> %s; now rank %d of %d (re-formed in %.2fs)",
             old.version,
             new.version,
             reason,

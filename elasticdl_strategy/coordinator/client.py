@@ -192,9 +192,9 @@ class CoordinatorClient:
                 try:
                     on_response(self.heartbeat(current_version()))
                 except grpc.RpcError as e:
-                    logger.warning("worker %s: heartbeat failed: %s", self.worker_id, e.code().name)
+                    logger.warning("heartbeat failed: %s", e.code().name)
                 except Exception:
-                    logger.exception("worker %s: heartbeat handler failed", self.worker_id)
+                    logger.exception("heartbeat handler failed")
 
         self._heartbeats = threading.Thread(target=loop, name="edl-heartbeat", daemon=True)
         self._heartbeats.start()
@@ -276,7 +276,7 @@ class CoordinatorClient:
         try:
             self._call(self._stub.ReportFailure, request, _RPC_TIMEOUT_S)
         except (grpc.RpcError, AuthenticationError) as e:
-            logger.warning("worker %s: failure report not delivered: %s", self.worker_id, e)
+            logger.warning("failure report not delivered: %s", e)
 
     def get_shards(self, spec: coordinator_pb2.DatasetSpec, epoch: int, timeout: float = _RPC_TIMEOUT_S):
         """Returns ``(starts, ends)`` of the shards of ``epoch``, registering ``spec`` on first use.

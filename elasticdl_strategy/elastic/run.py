@@ -104,9 +104,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     failure = _recoverable_failure(error, worker)
                     if failure is None:
                         raise
-                    logger.warning(
-                        "worker %s: %s: re-forming and rolling back to the last commit", worker.worker_id, failure
-                    )
+                    logger.warning("%s: re-forming and rolling back to the last commit", failure)
                     started = reset.started if reset else time.monotonic()
                     reset = _Reset(str(failure), failed=True, started=started, suspects=_suspects(failure, worker))
 
@@ -146,9 +144,8 @@ def _recover(worker, state: State, reset: _Reset) -> None:
 
 
 def _log_recovered(worker, state: State, reset: _Reset) -> None:
-    logger.warning(
-        "worker %s: training continues as rank %d of %d at commit #%d%s, %.2fs after the %s",
-        worker.worker_id,
+    logger.info(
+        "training continues as rank %d of %d at commit #%d%s, %.2fs after the %s",
         worker.communicator.rank,
         worker.communicator.size,
         state.commit_id,
@@ -159,7 +156,7 @@ def _log_recovered(worker, state: State, reset: _Reset) -> None:
 
 
 def _exit(message: str) -> None:
-    logger.warning("worker %s: %s", collective.current_worker().worker_id, message)
+    logger.info("%s", message)
     collective.shutdown(finished=False)
     sys.exit(0)
 
@@ -219,7 +216,7 @@ class _leave_on_sigterm:
 
     def _handle(self, signum, frame) -> None:
         if not self.state.leave_requested:
-            logger.warning("SIGTERM: this worker leaves the job at the next commit")
+            logger.info("SIGTERM: this worker leaves the job at the next commit")
         self.state.leave_requested = True
 
     def __enter__(self):

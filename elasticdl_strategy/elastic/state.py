@@ -236,7 +236,7 @@ class State:
         """
         snapshot = self._snapshots.get(commit_id)
         if snapshot is None:
-            logger.warning("no snapshot of commit #%d here; the sync from rank 0 provides the state", commit_id)
+            logger.info("no snapshot of commit #%d here; the sync from rank 0 provides the state", commit_id)
             return
         self._apply(snapshot)
 

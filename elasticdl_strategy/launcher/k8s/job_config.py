@@ -7,6 +7,7 @@ import re
 from typing import Dict, Optional, Sequence, Tuple
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.logs import LEVEL_VARIABLE, level_from_env
 
 # Longest suffix added to the job name ("-worker-" + a worker id of up to 5 digits).
 _LONGEST_SUFFIX = len("-worker-99999")
@@ -37,8 +38,10 @@ def parse_env(pairs: Sequence[str]) -> Dict[str, str]:
         name, sep, value = pair.partition("=")
         if not sep or not _ENV_NAME.match(name):
             raise ConfigError(f"--env {pair!r} must be NAME=VALUE with a valid variable name")
-        if name.startswith("EDL_"):
-            raise ConfigError(f"--env {name}: EDL_ variables are set by the job itself")
+        if name == LEVEL_VARIABLE:
+            level_from_env({name: value})  # validated here, a one-line error before anything is created
+        elif name.startswith("EDL_"):
+            raise ConfigError(f"--env {name}: EDL_ variables are set by the job itself (except {LEVEL_VARIABLE})")
         env[name] = value
     return env
 
