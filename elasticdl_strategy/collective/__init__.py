@@ -91,8 +91,7 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
         if parsed is None:
             configure_logging(lambda: "single worker", env)
             logger.warning(
-                "%s is not set (not started by the launcher): "
-                "running as a single worker, rank 0 of 1",
+                "%s is not set (not started by the launcher): running as a single worker, rank 0 of 1",
                 COORDINATOR_ADDR,
             )
             _worker = Worker.single()

@@ -9,11 +9,10 @@ import signal
 import threading
 from typing import List, Optional
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from elasticdl_strategy.coordinator.coordinator import Coordinator, CoordinatorParams
 from elasticdl_strategy.transport.auth import validate_token
 from elasticdl_strategy.transport.endpoints import start_server
+from elasticdl_strategy.transport.health import HealthService
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2_grpc
 
@@ -33,25 +32,28 @@ class CoordinatorServer:
 
     def __init__(self, params: CoordinatorParams, bind: str, token: str, options: TransportOptions):
         self.coordinator = Coordinator(params, options=options)  # its health probes use the job's TLS
-        self.health = health.HealthServicer()
+        self.health = HealthService()
 
         def register(server):
             coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
 
         # Each worker holds at most one blocking call (a membership long-poll or a commit barrier)
         # beside short ones (heartbeats): all of them must be served at once, or a commit of more
         # workers than threads never completes.
         threads = 64 + 8 * params.max_workers
         self._server, self.port = start_server(
-            [], bind, validate_token(token), options, max_workers=threads, register=register
+            [self.health.generic_handler()],
+            bind,
+            validate_token(token),
+            options,
+            max_workers=threads,
+            register=register,
         )
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.coordinator.start_reaper()
 
     def stop(self, grace: float = 1.0) -> None:
         self.coordinator.stop()
-        self.health.enter_graceful_shutdown()
+        self.health.stop_serving()
         self._server.stop(grace).wait(timeout=grace + 1.0)
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from elasticdl_strategy.transport.data_socket import DataSocketListener, host_of
 from elasticdl_strategy.transport.endpoints import start_server
+from elasticdl_strategy.transport.health import HealthService
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import PeerService, StreamListener
 from elasticdl_strategy.transport.protos import peer_pb2
@@ -43,7 +42,7 @@ class WorkerServer:
         self._cond = threading.Condition()
         self._listener: Optional[StreamListener] = None
         self._version = -1
-        self.health = health.HealthServicer()
+        self.health = HealthService()
         self.data_sockets: Optional[DataSocketListener] = None
         if options.data_socket:
             self.data_sockets = DataSocketListener(
@@ -61,14 +60,12 @@ class WorkerServer:
             attach_timeout_s=options.connect_timeout_s,
         )
         self._server, self.port = start_server(
-            [service.generic_handler()],
+            [service.generic_handler(), self.health.generic_handler()],
             bind,
             token,
             options,
             max_workers=max_threads,
-            register=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health, server),
         )
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def set_listener(self, version: int, listener: Optional[StreamListener]) -> None:
         """Routes streams and aborts of membership ``version`` to ``listener``."""
@@ -95,7 +92,7 @@ class WorkerServer:
         listener.on_abort(request)
 
     def stop(self, grace: float = 1.0) -> None:
-        self.health.enter_graceful_shutdown()
+        self.health.stop_serving()
         self._server.stop(grace).wait(timeout=grace + 1.0)
         if self.data_sockets is not None:
             self.data_sockets.close()

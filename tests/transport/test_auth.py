@@ -19,6 +19,7 @@ from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import ABORT_METHOD, TRANSFER_METHOD
 from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc, peer_pb2
 from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
+from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster
 
 BAD_METADATA = [None, ((TOKEN_METADATA_KEY, "x" * 64),)]
@@ -109,6 +110,30 @@ def test_grpc_peer_strings_give_the_peer_address():
     assert grpc_peer_host("ipv6:%5B::1%5D:5123") == "::1"
     assert grpc_peer_host("ipv6:[::ffff:10.0.0.3]:5123") == "10.0.0.3"
     assert grpc_peer_host("unix:/tmp/socket") is None
+
+
+def test_health_checks_that_never_send_their_request_hold_no_thread():
+    # A worker server of 4 threads; 12 health checks send their headers and nothing else.
+    server = WorkerServer("127.0.0.1:0", new_token(), TransportOptions(data_socket=False), max_threads=4)
+    never = threading.Event()
+
+    def silent():
+        never.wait(30)
+        yield b""
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            half_open = channel.stream_unary(
+                "/grpc.health.v1.Health/Check", None, health_pb2.HealthCheckResponse.FromString
+            )
+            calls = [half_open.future(silent(), timeout=30) for _ in range(12)]
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)  # Kubernetes' probe
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert all(c.result(timeout=5).status == health_pb2.HealthCheckResponse.SERVING for c in calls)
+    finally:
+        never.set()
+        server.stop(0)
 
 
 def test_health_answers_without_a_token(cluster):

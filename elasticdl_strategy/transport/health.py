@@ -1,0 +1,44 @@
+"""The gRPC health service (``grpc.health.v1.Health/Check``) of every server of a job.
+
+It answers without a token (Kubernetes' gRPC probes send none), so it must
+cost a stranger nothing: ``Check`` takes its request as a stream and answers
+at once, without reading it. (A handler with a unary request makes gRPC wait,
+in a server thread, for the request message; a client that sends headers and
+nothing else would hold that thread for good, and enough of them would
+freeze the server.) Every service name gets the server's own status. ``Watch``
+and ``List`` are not served (``UNIMPLEMENTED``, answered by gRPC itself).
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+SERVICE = "grpc.health.v1.Health"
+
+
+class HealthService:
+    """The health of one server: ``SERVING`` until :meth:`stop_serving`.
+
+    Example::
+
+        health = HealthService()
+        server = grpc.server(pool, handlers=[health.generic_handler()])
+        ...
+        health.stop_serving()  # probes see NOT_SERVING while the server drains
+    """
+
+    def __init__(self):
+        self._status = health_pb2.HealthCheckResponse.SERVING
+
+    def stop_serving(self) -> None:
+        self._status = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        check = grpc.stream_unary_rpc_method_handler(
+            self._check, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+        )
+        return grpc.method_handlers_generic_handler(SERVICE, {"Check": check})
+
+    def _check(self, request_iterator, context) -> health_pb2.HealthCheckResponse:
+        return health_pb2.HealthCheckResponse(status=self._status)
