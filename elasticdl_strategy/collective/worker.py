@@ -18,6 +18,7 @@ from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.environment import WorkerEnvironment
 from elasticdl_strategy.transport.allocator import tune_for_streaming
+from elasticdl_strategy.transport.health import answers_health_check
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
@@ -59,6 +60,9 @@ class Worker:
         self._replaced = False
         # Set when this worker asked to leave: the coordinator forgetting it is then expected.
         self.leaving = False
+        # Set by elastic.run: the coordinator's membership decides (else only the transport's proof does).
+        self.elastic = False
+        self._kept_peers: set = set()  # (membership version, worker id) removed by the coordinator but alive
 
     @classmethod
     def single(cls, options: Optional[TransportOptions] = None) -> "Worker":
@@ -131,10 +135,7 @@ class Worker:
             "a new process registered under this worker id (this one was restarted or relaunched "
             "while it hung): this process stops"
         )
-        p2p = self.communicator.p2p
-        for rank in range(p2p.size):
-            if rank != p2p.rank:
-                p2p.peer_failed(rank, f"worker {self.worker_id} was replaced by a new process under its id")
+        self._fail_peers(f"worker {self.worker_id} was replaced by a new process under its id")
 
     def reregister(self) -> None:
         """Registers again with the membership and last commit this worker knows.
@@ -172,6 +173,8 @@ class Worker:
                     "the coordinator declared this worker dead (its heartbeats were late); "
                     "its peers no longer count on it: it registers again and waits to rejoin"
                 )
+                if self.elastic:  # converge on the coordinator's view now, not at the next commit
+                    self._fail_peers("the coordinator declared this worker dead (its heartbeats were late)")
             self.reregister()
             return
         self._declared_dead = False
@@ -183,9 +186,33 @@ class Worker:
         latest = self._client.get_membership()
         for rank, member in enumerate(current.members):
             if latest.rank_of(member.worker_id) < 0 and member.worker_id != self.worker_id:
-                communicator.p2p.peer_failed(
-                    rank, f"the coordinator removed it in membership version {latest.version} ({latest.reason})"
-                )
+                reason = f"the coordinator removed it in membership version {latest.version} ({latest.reason})"
+                if not self.elastic and self._still_alive(latest.version, member, reason):
+                    continue
+                communicator.p2p.peer_failed(rank, reason)
+
+    def _still_alive(self, version: int, member: Member, reason: str) -> bool:
+        """For a job that is not elastic: whether a peer the coordinator removed answers a health
+        check (asked once per membership version). Such a job cannot re-form, so it fails a peer
+        only on proof that it is gone (this, or its connection breaking)."""
+        key = (version, member.worker_id)
+        if key in self._kept_peers:
+            return True
+        if not answers_health_check(member.address, self._env.transport):
+            return False
+        self._kept_peers.add(key)
+        logger.warning(
+            "%s: but %s answers its health check; this job is not elastic, so it trains on with it",
+            reason,
+            member.worker_id,
+        )
+        return True
+
+    def _fail_peers(self, reason: str) -> None:
+        p2p = self.communicator.p2p
+        for rank in range(p2p.size):
+            if rank != p2p.rank:
+                p2p.peer_failed(rank, reason)
 
     def reform(
         self,

@@ -29,12 +29,11 @@ import time
 from typing import Dict, List, Optional
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
 from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
 from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.health import answers_health_check
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc
 
@@ -431,16 +430,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _probe(self, address: str) -> bool:
         """Whether the worker at ``address`` answers a gRPC health check quickly."""
-        channel = open_channel(address, self._options)
-        try:
-            response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S
-            )
-            return response.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-        finally:
-            channel.close()
+        return answers_health_check(address, self._options, timeout=_PROBE_TIMEOUT_S)
 
     def ReportFailure(self, request, context):
         with self._cond:

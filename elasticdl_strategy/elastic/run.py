@@ -72,6 +72,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> T:
         worker = collective.current_worker()
+        worker.elastic = True
         collective.elastic_phase = "training"
         with _leave_on_sigterm(state):
             first_entry = True

@@ -12,9 +12,30 @@ and ``List`` are not served (``UNIMPLEMENTED``, answered by gRPC itself).
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.options import TransportOptions
 
 SERVICE = "grpc.health.v1.Health"
+
+
+def answers_health_check(address: str, options: TransportOptions, timeout: float = 1.0) -> bool:
+    """Whether the server at ``address`` answers a health check with SERVING within ``timeout``.
+
+    Example::
+
+        if not answers_health_check("10.0.0.3:50052", options):
+            ...  # gone, or too busy to answer: treat it as failed
+    """
+    channel = open_channel(address, options)
+    try:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
 
 
 class HealthService:
