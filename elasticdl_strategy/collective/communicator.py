@@ -291,6 +291,7 @@ class Communicator:
         step = self._begin("scatter", None, (), root=root, timeout=timeout)
         with self._running(step):
             if self.rank == root:
+                assert arrays is not None  # checked above
                 for dst in range(self.size):
                     if dst != root:
                         step.send(arrays[dst], dst)
@@ -448,6 +449,7 @@ class Communicator:
     def _on_remote_abort(self, request: peer_pb2.AbortRequest) -> None:
         message = f"rank {self.rank}: rank {request.src_rank} reports: {request.reason}"
         ranks = list(request.ranks)
+        make: Callable[[], CommunicationError]
         if request.kind == "peer_failure":
             peer = ranks[0] if ranks else None
             make = lambda: PeerFailureError(message, peer_rank=peer, rank=self.rank)  # noqa: E731
@@ -489,8 +491,8 @@ class Communicator:
         logger.error("collectives aborted: %s", reason)
         active = self._active
         if active is not None:  # a send stuck behind a dead or silent peer must not hold the caller
-            for request in list(active.sends):
-                request.abandon(make_error())
+            for send in list(active.sends):
+                send.abandon(make_error())
         if kind is not None:
             self.p2p.send_abort(kind, reason, ranks)
 

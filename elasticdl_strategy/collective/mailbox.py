@@ -72,13 +72,18 @@ class ArraySink(Sink):
         self._bytes = self._out.reshape(-1).view(np.uint8)
 
     def write(self, offset: int, data: memoryview) -> None:
-        self._bytes[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        self._started()[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
 
     def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
-        return memoryview(self._bytes[offset : offset + nbytes])
+        return self._started()[offset : offset + nbytes].data
 
     def result(self) -> np.ndarray:
+        assert self._out is not None, "a receive completes after its header"
         return self._out
+
+    def _started(self) -> np.ndarray:
+        assert self._bytes is not None, "bytes arrive after the header (begin)"
+        return self._bytes
 
 
 class ReduceSink(Sink):
@@ -209,7 +214,7 @@ class _Entry:
             self._set_failure(e)
 
     def _complete_if_ready(self) -> None:
-        if self.arrived and self.sink is not None and not self._ended():
+        if self.arrived and self.sink is not None and self.header is not None and not self._ended():
             self.on_complete(self.header.nbytes)
             self.future.set_result(self.sink.result())
 

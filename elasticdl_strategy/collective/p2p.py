@@ -208,7 +208,8 @@ class PointToPoint:
         describe = lambda: f"send to rank {dst} (tag {tag})"  # noqa: E731
         if dst == self.rank:
             return self._send_to_self(header, payload, describe)
-        message = OutgoingMessage(header, memoryview(payload)[:0] if inline else memoryview(payload), header.chunk_size)
+        view = payload.data
+        message = OutgoingMessage(header, view[:0] if inline else view, header.chunk_size)
         self._stream_to(dst).submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 

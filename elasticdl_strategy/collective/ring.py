@@ -75,7 +75,7 @@ class CollectiveCall:
 
     def wait(self, request: Request):
         now = time.monotonic()
-        if self._warn_at is not None and now < self._warn_at < self.deadline:
+        if self._warn_at is not None and self._on_slow is not None and now < self._warn_at < self.deadline:
             try:
                 return request.wait(timeout=self._warn_at - now)
             except CollectiveTimeoutError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Tuple
 
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import PointToPoint
@@ -93,6 +93,7 @@ class Worker:
 
             client.start_heartbeats(lambda: worker.membership.version if worker else 0, on_heartbeat)
             membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s)
+            assert membership is not None  # without a stop callback it raises instead
             rank = membership.rank_of(env.worker_id)
             p2p = PointToPoint(
                 rank,
@@ -125,6 +126,12 @@ class Worker:
         """The coordinator session (``None`` for a single worker)."""
         return self._client
 
+    def _in_job(self) -> Tuple[CoordinatorClient, WorkerServer, WorkerEnvironment]:
+        """The coordinator session, server and environment of a worker that joined a job."""
+        if self._client is None or self._server is None or self._env is None:
+            raise RuntimeError("a single worker has no coordinator to talk to")
+        return self._client, self._server, self._env
+
     def _stop_as_replaced(self) -> None:
         """A new process took this worker's id: fail its collectives; its next wait for a membership
         raises WorkerReplaced."""
@@ -146,9 +153,11 @@ class Worker:
         """
         if self._client is None:
             return
+        client, server, env = self._in_job()
         with self._reregister_lock:
-            address = f"{self._env.peer_host}:{self._server.port}"
-            self._client.register(address, self._env.rendezvous_timeout_s, self.membership, self.last_commit)
+            client.register(
+                f"{env.peer_host}:{server.port}", env.rendezvous_timeout_s, self.membership, self.last_commit
+            )
 
     def _on_heartbeat(self, response) -> None:
         """Fails collectives at once when the coordinator drops one of our peers (or replaced this worker)."""
@@ -183,7 +192,7 @@ class Worker:
             return
         if communicator.p2p.membership_version != current.version:
             return  # a re-formation is swapping them right now; the next heartbeat looks again
-        latest = self._client.get_membership()
+        latest = self._in_job()[0].get_membership()
         for rank, member in enumerate(current.members):
             if latest.rank_of(member.worker_id) < 0 and member.worker_id != self.worker_id:
                 reason = f"the coordinator removed it in membership version {latest.version} ({latest.reason})"
@@ -198,7 +207,7 @@ class Worker:
         key = (version, member.worker_id)
         if key in self._kept_peers:
             return True
-        if not answers_health_check(member.address, self._env.transport):
+        if not answers_health_check(member.address, self._in_job()[2].transport):
             return False
         self._kept_peers.add(key)
         logger.warning(
@@ -243,14 +252,13 @@ class Worker:
             RendezvousTimeoutError: no usable membership within ``timeout``; the
                 message says how many workers are registered and how many are needed.
         """
-        if self._client is None:
-            raise RuntimeError("a single worker has nothing to re-form")
+        client, server, env = self._in_job()
         started = time.monotonic()
         old = self.membership
         if failed:
-            self._client.report_failure(old.version, suspects, reason)
-        timeout = self._env.rendezvous_timeout_s if timeout is None else timeout
-        new = self._client.wait_for_membership(after_version=old.version, timeout=timeout, stop=stop)
+            client.report_failure(old.version, suspects, reason)
+        timeout = env.rendezvous_timeout_s if timeout is None else timeout
+        new = client.wait_for_membership(after_version=old.version, timeout=timeout, stop=stop)
         if new is None:
             return None
         rank = new.rank_of(self.worker_id)
@@ -258,15 +266,15 @@ class Worker:
             rank,
             new.addresses,
             new.version,
-            self._env.token,
-            self._env.transport,
+            env.token,
+            env.transport,
             worker_id=self.worker_id,
             worker_ids=[m.worker_id for m in new.members],
         )
         previous = self.communicator
         self.communicator = Communicator(p2p)
         self.membership = new
-        self._server.set_listener(new.version, p2p)
+        server.set_listener(new.version, p2p)
         # Goodbyes to the old peers in the background: a hung peer must not delay training.
         threading.Thread(target=previous.close, kwargs={"timeout": 2.0}, name="edl-close-old", daemon=True).start()
         elapsed = time.monotonic() - started

@@ -195,8 +195,8 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             alive = {w.worker_id for w in live}
             chosen = [self._workers[m.worker_id] for m in self._membership.members if m.worker_id in alive]
             if admit or not self._ready(self._membership):
-                members = {w.worker_id for w in chosen}
-                chosen += [w for w in live if w.worker_id not in members][: self.params.max_workers - len(chosen)]
+                taken = {w.worker_id for w in chosen}
+                chosen += [w for w in live if w.worker_id not in taken][: self.params.max_workers - len(chosen)]
         members = tuple(Member(w.worker_id, w.address) for w in chosen)
         if members == self._membership.members and not force:
             return

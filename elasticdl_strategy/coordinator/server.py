@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or SIGINT; the job token comes from ``EDL_JOB_TOKEN``."""
     params = params_from_args(args)
     options = TransportOptions(tls=TLSConfig.from_env(os.environ))
-    server = CoordinatorServer(params, f"{args.bind}:{args.port}", os.environ.get("EDL_JOB_TOKEN"), options)
+    server = CoordinatorServer(params, f"{args.bind}:{args.port}", os.environ.get("EDL_JOB_TOKEN", ""), options)
     logger.info("coordinator serving on %s:%d", args.bind, server.port)
     if args.port_file:
         tmp = args.port_file + ".tmp"

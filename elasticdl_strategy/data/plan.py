@@ -17,7 +17,7 @@ batch unless the epoch has fewer records left than there are workers.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -59,7 +59,7 @@ class EpochStream:
         stream.indices(3, 7)                      # array([13, 14, 0, 1])
     """
 
-    def __init__(self, starts: Sequence[int], ends: Sequence[int]):
+    def __init__(self, starts: Union[Sequence[int], np.ndarray], ends: Union[Sequence[int], np.ndarray]):
         self.starts = np.asarray(starts, np.int64)
         lengths = np.asarray(ends, np.int64) - self.starts
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])

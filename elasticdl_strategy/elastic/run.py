@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator, List, Optional, TypeVar
+from typing import Callable, Iterator, List, NoReturn, Optional, TypeVar
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.elastic.state import State, WorkerLeft
@@ -156,7 +156,7 @@ def _log_recovered(worker, state: State, reset: _Reset) -> None:
     )
 
 
-def _exit(message: str) -> None:
+def _exit(message: str) -> NoReturn:
     logger.info("%s", message)
     collective.shutdown(finished=False)
     sys.exit(0)
@@ -169,7 +169,7 @@ def _where(state: State) -> str:
     return f" (epoch {p.epoch}, batch {p.batch}, record {p.cursor})"
 
 
-def _causes(error: BaseException) -> Iterator[BaseException]:
+def _causes(error: Optional[BaseException]) -> Iterator[BaseException]:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -225,7 +225,6 @@ class _leave_on_sigterm:
             self.previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
-        return False

@@ -283,8 +283,8 @@ class State:
                     offset += size
             position = self.records.position if self.records is not None else Position()
             payload = pickle.dumps((self._values, position, self.commit_id))
-            size = communicator.broadcast(np.array([len(payload)], np.int64), root=0)
-            buffer = np.frombuffer(payload, np.uint8) if communicator.rank == 0 else np.zeros(int(size[0]), np.uint8)
+            length = communicator.broadcast(np.array([len(payload)], np.int64), root=0)
+            buffer = np.frombuffer(payload, np.uint8) if communicator.rank == 0 else np.zeros(int(length[0]), np.uint8)
             values, position, commit_id = pickle.loads(communicator.broadcast(buffer, root=0).tobytes())
             object.__setattr__(self, "_values", values)
             if self.records is not None:

@@ -129,7 +129,7 @@ class _Process:
         for pump in self._pumps:
             pump.start()
         # Reaped in its own thread so the exit times give the order in which workers failed.
-        self.exited_at: Optional[float] = None
+        self.exited_at = float("inf")  # when it exited (monotonic clock)
         self.exited = threading.Event()
         threading.Thread(target=self._reap, daemon=True).start()
 
@@ -308,6 +308,7 @@ class LocalLauncher:
                 self._say(f"{failed.name} {self._describe_exit(failed)}; the other workers carry on without it")
 
     def _restart_coordinator(self) -> bool:
+        assert self._coordinator is not None
         code = self._coordinator.popen.returncode
         if not self.config.elastic or self._stop_signal is not None:
             self._say(f"the coordinator exited with code {code}")

@@ -244,20 +244,25 @@ class _Staged:
         self.bucket = bucket
         self.dtype = dtype
         self.key = _layout_key(dtype, sizes)
-        self.flat = None
+        self.flat: Optional[np.ndarray] = None  # the staging buffer's view while leased
         self.buffer: Optional[_StagingBuffer] = None
 
     def acquire(self, uses: Dict[tuple, int]) -> None:
         self.buffer = _pool.acquire(self.key, self.length * self.dtype.itemsize, uses.get(self.key, 1))
         self.flat = self.buffer.view(self.dtype, self.length)
 
+    def _leased(self) -> Tuple[_StagingBuffer, np.ndarray]:
+        assert self.buffer is not None and self.flat is not None, "acquire() first"
+        return self.buffer, self.flat
+
     def pack(self, arrays: Sequence[np.ndarray]) -> None:
+        _, flat = self._leased()
         for i, offset in zip(self.bucket.members, self.offsets, strict=True):
             array = arrays[i]
-            self.flat[offset : offset + array.size] = array.reshape(-1)
+            flat[offset : offset + array.size] = array.reshape(-1)
 
     def reduce(self, communicator, op: str, timeout: Optional[float], compression: Optional[str]) -> None:
-        flat = self.flat
+        _, flat = self._leased()
         integer_mean = op == "mean" and flat.dtype.kind in "iu"
         kwargs = {}
         if compression is not None and flat.dtype in _COMPRESSIBLE:
@@ -268,9 +273,10 @@ class _Staged:
         _counters["buckets"] += 1
 
     def unpack(self, arrays: Sequence[np.ndarray], results: List[np.ndarray]) -> None:
+        buffer, flat = self._leased()
         for i, offset in zip(self.bucket.members, self.offsets, strict=True):
             array = arrays[i]
-            results[i] = _pool.lend(self.buffer, self.flat[offset : offset + array.size].reshape(array.shape))
+            results[i] = _pool.lend(buffer, flat[offset : offset + array.size].reshape(array.shape))
         self.abandon()  # from here only the results hold the buffer
 
     def abandon(self) -> None:
@@ -385,17 +391,18 @@ def all_reduce_tensors(
         groups = [(b.members, [Bucket(b.dtype, tuple(range(len(b.members))))]) for b in buckets]
     else:
         groups = [(tuple(range(len(tensors))), buckets)]
-    results: List[tf.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    results: List[tf.Tensor] = [None] * len(tensors)
     for members, plan in groups:
         inputs = [tensors[i] for i in members]
         reduce = _briefly(
             functools.partial(_reduce_call, plan=plan, op=op, timeout=timeout, compression=compression, uses=uses)
         )
-        outputs = ordering.ordered(
-            lambda inputs=inputs, reduce=reduce: _as_list(
-                tf.numpy_function(reduce, inputs, [t.dtype for t in inputs], stateful=True, name="elasticdl_allreduce")
-            )
-        )
+
+        def collective_op(inputs=inputs, reduce=reduce) -> List[tf.Tensor]:
+            dtypes = [t.dtype for t in inputs]
+            return _as_list(tf.numpy_function(reduce, inputs, dtypes, stateful=True, name="elasticdl_allreduce"))
+
+        outputs = ordering.ordered(collective_op)
         for i, output in zip(members, outputs, strict=True):
             output.set_shape(tensors[i].shape)
             results[i] = output

@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 
@@ -275,11 +275,10 @@ def _shuffled_alike_on_every_worker(get_tf_dataset):
 def _other_rank(callback, strategy_class: type) -> bool:
     """Whether ``callback`` runs on a worker other than rank 0 of an AllReduceStrategy job."""
     strategy = getattr(getattr(callback, "model", None), "_distribute_strategy", None)
-    return (
-        isinstance(strategy, strategy_class)
-        and strategy.num_replicas_in_sync > 1
-        and not strategy.extended.should_checkpoint
-    )
+    if not isinstance(strategy, strategy_class):
+        return False
+    ours: Any = strategy
+    return ours.num_replicas_in_sync > 1 and not ours.extended.should_checkpoint
 
 
 def _callbacks_write_on_rank_0(strategy_class: type) -> None:

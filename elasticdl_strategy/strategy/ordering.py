@@ -64,7 +64,7 @@ class OrderingToken:
             return y
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._variable: Optional[tf.Variable] = None
         self._lock = threading.Lock()
 

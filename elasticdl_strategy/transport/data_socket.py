@@ -20,6 +20,7 @@ is shut down, which wakes any thread blocked on it.
 
 from __future__ import annotations
 
+import io
 import logging
 import secrets
 import socket
@@ -27,6 +28,7 @@ import ssl
 import struct
 import threading
 import time
+import typing
 from typing import Dict, Optional
 
 from elasticdl_strategy.errors import ConfigError
@@ -70,7 +72,7 @@ class FrameSocket:
         sock.settimeout(None)  # liveness comes from the gRPC stream beside it and TCP keepalive
         self._sock = sock
         self._max_frame = max_frame
-        self._reader = sock.makefile("rb", buffering=64 << 10)
+        self._reader = typing.cast(io.BufferedReader, sock.makefile("rb", buffering=64 << 10))
 
     def send_frame(self, frame: bytes, payload: Optional[memoryview] = None) -> None:
         """Writes one control frame, then ``payload`` raw (joined to the frame when small,

@@ -121,6 +121,6 @@ def encode_goodbye(goodbye: peer_pb2.Goodbye) -> bytes:
     return peer_pb2.Frame(goodbye=goodbye).SerializeToString()
 
 
-def decode_control(frame: bytes) -> peer_pb2.Frame:
+def decode_control(frame: Union[bytes, memoryview]) -> peer_pb2.Frame:
     """Parses a hello, header or goodbye frame."""
     return peer_pb2.Frame.FromString(frame)

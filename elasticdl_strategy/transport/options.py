@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import ssl
-from typing import List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.frames import CHUNK_PREFIX_SIZE, MAX_CHUNK_SIZE
@@ -199,7 +199,7 @@ class TransportOptions:
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
         ``EDL_SHM_SLOTS``, ``EDL_DATA_SOCKET`` (0 or 1) and TLS."""
-        kwargs = {"tls": TLSConfig.from_env(env)}
+        kwargs: Dict[str, Any] = {"tls": TLSConfig.from_env(env)}
         for var, name in (("EDL_SHARED_MEMORY", "shared_memory"), ("EDL_DATA_SOCKET", "data_socket")):
             flag = env.get(var)
             if flag:

@@ -262,13 +262,15 @@ class OutboundStream:
     def _shared_frames(self, header: peer_pb2.MessageHeader, payload: memoryview) -> Iterator[Optional[bytes]]:
         """The frames of a message whose payload goes through the arena, each slot filled when it is
         free (the first piece rides in the header); ``None`` when the stream broke while waiting."""
-        piece = self._arena.slot_size
+        arena = self._arena
+        assert arena is not None, "only a stream with an arena sends through one"
+        piece = arena.slot_size
         for offset in range(0, len(payload), piece):
             slot = self._free_slot()
             if slot is None:
                 yield None
                 return
-            nbytes = self._arena.fill(slot, payload[offset : offset + piece])
+            nbytes = arena.fill(slot, payload[offset : offset + piece])
             self.shared_bytes_sent += nbytes
             if offset == 0:
                 header.shared_chunk.slot, header.shared_chunk.nbytes = slot, nbytes
@@ -278,6 +280,7 @@ class OutboundStream:
 
     def _write_to_socket(self, frame: bytes, payload: Optional[memoryview] = None) -> bool:
         """Writes a frame (and its payload) on the data socket; False, with the stream failed, if it broke."""
+        assert self._socket is not None, "only an attached stream writes to its socket"
         try:
             self._socket.send_frame(frame, payload)
             return True
@@ -357,10 +360,12 @@ class OutboundStream:
                 self._arena.unlink()
 
     def _connect_data_socket(self, answer: peer_pb2.TransferReply) -> Optional[FrameSocket]:
-        options = self._options
+        options, host = self._options, self._data_host
+        if host is None:
+            return None
         try:
             return connect(
-                self._data_host,
+                host,
                 answer.data_socket_port,
                 answer.data_socket_ticket,
                 min(options.connect_timeout_s, _DATA_CONNECT_TIMEOUT_S),
@@ -415,7 +420,7 @@ class OutboundStream:
                     rank=self._self_rank,
                 ),
             )
-        if first and not self._closing:
+        if first and reason is not None and not self._closing:
             self._on_broken(reason)
 
 
@@ -537,14 +542,14 @@ class PeerService:
             receiver.on_closed(error, goodbye)
             if arena is not None:
                 arena.close()
-            if ticket is not None:
+            if ticket is not None and self._data_sockets is not None:
                 self._data_sockets.discard(ticket)
         if error is not None:
             context.abort(grpc.StatusCode.DATA_LOSS, error)
 
     def _attach(self, ticket: Optional[bytes], context) -> FrameSocket:
         """Takes the data socket the sender connected with ``ticket``; it is shut down when the call ends."""
-        if ticket is None:
+        if ticket is None or self._data_sockets is None:
             raise ValueError("data_socket_attached on a stream that was not given a data socket")
         try:
             data_socket = self._data_sockets.claim(ticket, self._attach_timeout_s)
@@ -632,7 +637,7 @@ class PeerService:
                     offset = yield from PeerService._read_shared(arena, control.shared_chunk, writer, offset)
             elif header.nbytes:
                 if scratch is None or len(scratch) < min(header.nbytes, _SOCKET_PIECE):
-                    scratch = memoryview(np.empty(min(header.nbytes, _SOCKET_PIECE), np.uint8))
+                    scratch = np.empty(min(header.nbytes, _SOCKET_PIECE), np.uint8).data
                 for offset in range(0, header.nbytes, len(scratch)):
                     n = min(len(scratch), header.nbytes - offset)
                     target = writer.target(offset, n)

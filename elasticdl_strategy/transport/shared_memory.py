@@ -62,7 +62,7 @@ def remove_stale_arenas(directory: str, now: Optional[float] = None) -> List[str
     not share pid namespaces.
     """
     now = time.time() if now is None else now
-    removed = []
+    removed: List[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -24,7 +24,7 @@ def _generate(tmp_path, name):
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
     result = subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"-I{include}",
-         f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", proto],
+         f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", proto],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, f"protoc failed on {proto}: {result.stderr}"
@@ -49,6 +49,8 @@ def test_committed_stubs_match_proto(tmp_path, name, module):
     fresh_grpc = (out / f"{name}_pb2_grpc.py").read_text()
     strip = lambda t: "\n".join(line for line in t.splitlines() if not line.startswith("GRPC_GENERATED_VERSION"))  # noqa: E731
     assert strip(fresh_grpc) == strip(committed_grpc), f"{name}_pb2_grpc.py is stale: regenerate it"
+    stub = f"{name}_pb2.pyi"  # what the type check reads
+    assert (out / stub).read_text() == (PROTO_DIR / stub).read_text(), f"{stub} is stale: regenerate it"
 
 
 def test_chunk_frame_is_a_valid_frame_and_parses_without_copy():

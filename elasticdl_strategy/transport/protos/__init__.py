@@ -2,6 +2,6 @@
 
 Regenerate after editing a ``.proto`` (``tests/transport/test_protos.py`` fails until you do)::
 
-    python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \\
+    python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \\
         elasticdl_strategy/transport/protos/*.proto
 """
