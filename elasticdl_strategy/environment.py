@@ -52,9 +52,10 @@ TF_CONFIG = "TF_CONFIG"
 def worker_id_from_tf_config(text: str) -> str:
     """The worker id of a process started by an operator that sets ``TF_CONFIG`` (Kubeflow TFJob).
 
-    Example::
+    Example:
 
-        worker_id_from_tf_config('{"cluster": {...}, "task": {"type": "worker", "index": 2}}')  # "worker-2"
+    >>> worker_id_from_tf_config('{"cluster": {}, "task": {"type": "worker", "index": 2}}')
+    'worker-2'
 
     Raises:
         ConfigError: ``TF_CONFIG`` is not JSON with a ``task`` type and index.

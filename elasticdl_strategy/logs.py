@@ -44,6 +44,9 @@ class ProcessContext(logging.Filter):
 def level_from_env(env: Mapping[str, str]) -> Optional[int]:
     """The level ``EDL_LOG_LEVEL`` names; ``None`` when it is not set.
 
+    >>> level_from_env({"EDL_LOG_LEVEL": "debug"}) == logging.DEBUG, level_from_env({})
+    (True, None)
+
     Raises:
         ConfigError: it names no level.
     """

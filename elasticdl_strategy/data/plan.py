@@ -53,10 +53,11 @@ def rank_share(start: int, end: int, rank: int, workers: int) -> Tuple[int, int]
 class EpochStream:
     """The records of one epoch in consumption order: shards ``[starts[i], ends[i])`` back to back.
 
-    Example::
+    Example: shard ``[10, 15)`` first, then ``[0, 5)``.
 
-        stream = EpochStream([10, 0], [15, 5])   # shard [10, 15) first, then [0, 5)
-        stream.indices(3, 7)                      # array([13, 14, 0, 1])
+    >>> stream = EpochStream([10, 0], [15, 5])
+    >>> stream.indices(3, 7).tolist()
+    [13, 14, 0, 1]
     """
 
     def __init__(self, starts: Union[Sequence[int], np.ndarray], ends: Union[Sequence[int], np.ndarray]):

@@ -86,7 +86,11 @@ def _round_up(count: int, multiple: int) -> int:
 
 def bucket_layout(sizes: Sequence[int], dtype) -> Tuple[List[int], int]:
     """(element offset of each tensor, total elements) of a staging buffer: every tensor
-    starts on a 64-byte boundary; the padding between them stays zero."""
+    starts on a 64-byte boundary; the padding between them stays zero.
+
+    >>> bucket_layout([3, 20, 1], "float32")  # 16 float32 elements are 64 bytes
+    ([0, 16, 48], 49)
+    """
     align = _alignment(np.dtype(dtype))
     offsets, end = [], 0
     for size in sizes:

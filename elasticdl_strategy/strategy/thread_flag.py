@@ -10,12 +10,12 @@ from typing import Iterator
 class ThreadFlag:
     """A flag set for the current thread only, inside ``with flag():``.
 
-    Example::
-
-        suspended = ThreadFlag()
-        with suspended():
-            assert suspended.is_set
-        assert not suspended.is_set
+    >>> suspended = ThreadFlag()
+    >>> with suspended():
+    ...     suspended.is_set
+    True
+    >>> suspended.is_set
+    False
     """
 
     def __init__(self):

@@ -179,7 +179,11 @@ def connect(
 
 
 def host_of(address: str) -> str:
-    """``"10.0.0.3"`` of ``"10.0.0.3:4000"``, ``"::1"`` of ``"[::1]:4000"``."""
+    """The host of a ``host:port`` address.
+
+    >>> host_of("10.0.0.3:4000"), host_of("[::1]:4000")
+    ('10.0.0.3', '::1')
+    """
     host = address.rsplit(":", 1)[0] if ":" in address else address
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 

@@ -75,8 +75,11 @@ class RefusalLog:
 
 
 def grpc_peer_host(peer: str) -> Optional[str]:
-    """The IP address in a gRPC peer string (``"ipv4:10.0.0.3:5123"``, ``"ipv6:[::1]:5123"``);
-    ``None`` for other kinds (``"unix:..."``)."""
+    """The IP address in a gRPC peer string; ``None`` for other kinds (``"unix:..."``).
+
+    >>> grpc_peer_host("ipv4:10.0.0.3:5123"), grpc_peer_host("ipv6:%5B::1%5D:5123")
+    ('10.0.0.3', '::1')
+    """
     kind, _, rest = unquote(peer or "").partition(":")
     if kind not in ("ipv4", "ipv6"):
         return None
@@ -86,5 +89,9 @@ def grpc_peer_host(peer: str) -> Optional[str]:
 
 
 def normalize_host(host: str) -> str:
-    """``"10.0.0.3"`` for ``"::ffff:10.0.0.3"`` (an IPv4 peer of an IPv6 socket); others unchanged."""
+    """The IPv4 address of an IPv4 peer of an IPv6 socket; other addresses unchanged.
+
+    >>> normalize_host("::ffff:10.0.0.3"), normalize_host("::1")
+    ('10.0.0.3', '::1')
+    """
     return host[len("::ffff:") :] if host.startswith("::ffff:") and "." in host else host
