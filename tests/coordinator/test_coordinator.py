@@ -138,8 +138,10 @@ def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new
     assert c.membership.version == 2 and members(c) == ["b", "c"]
     assert "a restarted" in c.membership.reason
     assert response.joins_running_job and response.join_order == 4  # at the back, synced at a commit
-    assert commit(c, "b", 1, version=2).membership_version == 2
-    assert commit(c, "c", 1, version=2).membership_version == 3
+    waiting, b = in_thread(commit, c, "b", 1, version=2)  # a commit is a barrier of b and c
+    assert commit(c, "c", 1, version=2).membership_version == 3  # the newcomer joins there
+    waiting.join(timeout=10)
+    assert b["value"].recorded and b["value"].membership_version == 3
     assert members(c) == ["b", "c", "a"]
     # A retry from the same process changes nothing.
     assert register(c, "a", incarnation="second").join_order == 4 and c.membership.version == 3
