@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable, Optional, Set, Tuple
 
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import PointToPoint
@@ -62,7 +62,7 @@ class Worker:
         self.leaving = False
         # Set by elastic.run: the coordinator's membership decides (else only the transport's proof does).
         self.elastic = False
-        self._kept_peers: set = set()  # (membership version, worker id) removed by the coordinator but alive
+        self._kept_peers: Set[Tuple[int, str]] = set()  # (membership version, worker id): dropped, alive
 
     @classmethod
     def single(cls, options: Optional[TransportOptions] = None) -> "Worker":

@@ -61,7 +61,20 @@ def test_peer_rpcs_without_the_token_are_rejected_and_the_ring_is_unaffected(clu
         np.testing.assert_array_equal(r, [3.0, 3.0, 3.0])
 
 
-def test_calls_that_send_headers_but_no_request_hold_no_server_thread():
+@pytest.fixture
+def silent():
+    """Request streams that send nothing (until the test ends): calls that stay half-open."""
+    never = threading.Event()
+
+    def requests():
+        never.wait(30)
+        yield b""
+
+    yield requests
+    never.set()
+
+
+def test_calls_that_send_headers_but_no_request_hold_no_server_thread(silent):
     # A server of 2 threads; 6 calls without the token send their headers and never their
     # request. Rejected at once, they leave both threads free for a legitimate call.
     token = new_token()
@@ -70,12 +83,6 @@ def test_calls_that_send_headers_but_no_request_hold_no_server_thread():
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Echo", {"Call": echo})])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    never = threading.Event()
-
-    def silent():
-        never.wait(30)
-        yield b""
-
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             half_open = channel.stream_unary("/test.Echo/Call")
@@ -85,7 +92,6 @@ def test_calls_that_send_headers_but_no_request_hold_no_server_thread():
             reply = channel.unary_unary("/test.Echo/Call")(b"hi", metadata=call_metadata(token), timeout=2)
             assert reply == b"hi"
     finally:
-        never.set()
         server.stop(0)
 
 
@@ -112,15 +118,9 @@ def test_grpc_peer_strings_give_the_peer_address():
     assert grpc_peer_host("unix:/tmp/socket") is None
 
 
-def test_health_checks_that_never_send_their_request_hold_no_thread():
+def test_health_checks_that_never_send_their_request_hold_no_thread(silent):
     # A worker server of 4 threads; 12 health checks send their headers and nothing else.
     server = WorkerServer("127.0.0.1:0", new_token(), TransportOptions(data_socket=False), max_threads=4)
-    never = threading.Event()
-
-    def silent():
-        never.wait(30)
-        yield b""
-
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             half_open = channel.stream_unary(
@@ -132,7 +132,6 @@ def test_health_checks_that_never_send_their_request_hold_no_thread():
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             assert all(c.result(timeout=5).status == health_pb2.HealthCheckResponse.SERVING for c in calls)
     finally:
-        never.set()
         server.stop(0)
 
 
