@@ -33,7 +33,7 @@ import numpy as np
 
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import Request
-from elasticdl_strategy.collective.worker import Worker
+from elasticdl_strategy.collective.worker import ElasticLoop, Worker
 from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
 from elasticdl_strategy.errors import ElasticDLError, JobFinished
 from elasticdl_strategy.logs import configure as configure_logging
@@ -116,14 +116,12 @@ def _describe_worker(worker_id: str) -> str:
 
 
 _crashed = False
-# Set by elastic.run: "training" while it runs, "done" once it returned normally.
-elastic_phase = ""
 
 
 def _finished_at_exit() -> bool:
     """Whether leaving at exit means the job is done: no uncaught exception, and an elastic
     training loop (if there was one) that returned rather than exited with ``sys.exit``."""
-    return not _crashed and elastic_phase != "training"
+    return not _crashed and (_worker is None or _worker.elastic_loop is not ElasticLoop.RUNNING)
 
 
 def _install_failure_hook() -> None:

@@ -7,6 +7,7 @@ replaces the communicator in place (same process, same server).
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -24,6 +25,14 @@ from elasticdl_strategy.transport.protos import coordinator_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
 
 logger = logging.getLogger(__name__)
+
+
+class ElasticLoop(enum.Enum):
+    """Where a worker stands with :func:`elasticdl_strategy.elastic.run`."""
+
+    NONE = "not in an elastic loop"
+    RUNNING = "in an elastic loop"
+    RETURNED = "its elastic loop returned"
 
 
 class Worker:
@@ -60,9 +69,15 @@ class Worker:
         self._replaced = False
         # Set when this worker asked to leave: the coordinator forgetting it is then expected.
         self.leaving = False
-        # Set by elastic.run: the coordinator's membership decides (else only the transport's proof does).
-        self.elastic = False
+        # Set by elastic.run. In an elastic loop the coordinator's membership decides (else only the
+        # transport's proof does), and an exit while it runs does not mean the job finished.
+        self.elastic_loop = ElasticLoop.NONE
         self._kept_peers: Set[Tuple[int, str]] = set()  # (membership version, worker id): dropped, alive
+
+    @property
+    def elastic(self) -> bool:
+        """Whether an elastic loop runs (or ran) here: the coordinator's membership decides."""
+        return self.elastic_loop is not ElasticLoop.NONE
 
     @classmethod
     def single(cls, options: Optional[TransportOptions] = None) -> "Worker":

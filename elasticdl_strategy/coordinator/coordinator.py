@@ -17,6 +17,13 @@ After that, membership changes are published as new versions:
 
 A restarted coordinator recovers: workers re-register with the membership and
 last commit they know, and it adopts the newest.
+
+This module holds the state and the decisions, and never waits: every method
+takes the lock, changes the state, and returns an answer — or ``None`` where
+the caller is to wait for the next change (:attr:`Coordinator.changes`) and
+ask again. Health probes are the caller's too. The gRPC service around it
+(:mod:`~elasticdl_strategy.coordinator.service`) does the waiting and the
+probing in an event loop, so a long poll or a commit barrier holds no thread.
 """
 
 from __future__ import annotations
@@ -26,23 +33,29 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import grpc
 
+from elasticdl_strategy.coordinator.changes import Changes
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
 from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
-from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.health import answers_health_check
-from elasticdl_strategy.transport.options import TransportOptions
-from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc
+from elasticdl_strategy.errors import ConfigError, ElasticDLError
+from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)
 
-# Longest a GetMembership call may block, so that callers' deadlines stay short.
+# Longest a GetMembership call or a commit barrier may block, so that callers' deadlines stay short.
 MAX_MEMBERSHIP_WAIT_S = 30.0
-# How long a reported peer gets to answer a health check before it is declared dead.
-_PROBE_TIMEOUT_S = 1.0
+
+
+class Refusal(ElasticDLError):
+    """A request the coordinator answers with an error status (the service ends the call with it)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,21 +128,26 @@ def _position_text(p: coordinator_pb2.DataPosition) -> str:
     return f"(epoch {p.epoch}, batch {p.batch}, record {p.cursor})"
 
 
-class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Membership state and the ``Coordinator`` gRPC service.
+class Coordinator:
+    """The membership state of a job, and every decision about it.
 
-    Example (in-process, as the tests do)::
+    Example:
 
-        coordinator = Coordinator(CoordinatorParams(min_workers=2, max_workers=2, target_workers=2))
-        coordinator.start_reaper()
-        server, port = start_server([...], "127.0.0.1:0", token, TransportOptions())
+    >>> from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
+    >>> c = Coordinator(CoordinatorParams(min_workers=2, max_workers=2, target_workers=2))
+    >>> for worker_id in ("a", "b"):
+    ...     _ = c.register(pb.RegisterRequest(worker_id=worker_id, address=f"h:{worker_id}"))
+    >>> c.membership.version, [m.worker_id for m in c.membership.members]
+    (1, ['a', 'b'])
+    >>> c.membership_answer(pb.GetMembershipRequest(worker_id="a", after_version=1)) is None  # wait
+    True
     """
 
-    def __init__(self, params: CoordinatorParams, clock=time.monotonic, options: Optional[TransportOptions] = None):
+    def __init__(self, params: CoordinatorParams, clock=time.monotonic):
         self.params = params
         self._clock = clock
-        self._options = options or TransportOptions()
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self.changes = Changes()  # notified on every change a waiting caller may be waiting for
         self._workers: Dict[str, _Worker] = collections.OrderedDict()
         self._joins = 0
         # Workers blocked in GetMembership right now: alive while the call is open.
@@ -139,26 +157,25 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self._last_commit = coordinator_pb2.CommitRecord()
         self._barrier: Optional[_Barrier] = None
         self._finished = False
+        self._stopped = False
         self.shards = ShardTables()
-        self._stop = threading.Event()
-        self._reaper: Optional[threading.Thread] = None
 
     # ---- state ----------------------------------------------------------------------------
 
     @property
     def membership(self) -> Membership:
-        with self._cond:
+        with self._lock:
             return self._membership
 
     @property
     def finished(self) -> bool:
         """Whether a worker reported that training finished (``Leave(finished=True)``)."""
-        with self._cond:
+        with self._lock:
             return self._finished
 
     @property
     def last_commit(self) -> coordinator_pb2.CommitRecord:
-        with self._cond:
+        with self._lock:
             return coordinator_pb2.CommitRecord.FromString(self._last_commit.SerializeToString())
 
     def _live(self) -> List[_Worker]:
@@ -213,11 +230,11 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             [m.worker_id for m in members],
             waiting,
         )
-        self._cond.notify_all()
+        self.changes.notify()
 
     def reap(self) -> None:
         """Declares workers silent for longer than the heartbeat timeout dead; publishes if needed."""
-        with self._cond:
+        with self._lock:
             now = self._clock()
             dead = [
                 w
@@ -239,42 +256,51 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             # otherwise they would interrupt the members between two commits.
             self._publish_if_changed(reason, admit=bool(dead))
 
-    def start_reaper(self) -> None:
-        def loop():
-            period = min(self.params.heartbeat_interval_s, self.params.heartbeat_timeout_s / 4, 0.5)
-            while not self._stop.wait(period):
-                self.reap()
-
-        self._reaper = threading.Thread(target=loop, name="edl-coordinator-reaper", daemon=True)
-        self._reaper.start()
-
     def stop(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        """Ends every wait: callers waiting for a change get their answer now."""
+        with self._lock:
+            self._stopped = True
+        self.changes.notify()
 
-    # ---- RPCs: membership -----------------------------------------------------------------
+    @property
+    def reap_period_s(self) -> float:
+        """How often :meth:`reap` should run."""
+        return min(self.params.heartbeat_interval_s, self.params.heartbeat_timeout_s / 4, 0.5)
 
-    def Register(self, request, context):
+    # ---- membership -----------------------------------------------------------------------
+
+    def register(self, request, probed: Optional[_Worker] = None) -> Optional[coordinator_pb2.RegisterResponse]:
+        """Registers a worker; returns ``None`` when :meth:`conflict` must be probed first.
+
+        Another process under a live worker's id, at another address, is either
+        that worker restarted (its old address silent) or a second process given
+        the same id. The caller probes ``conflict(request)`` and calls again with
+        it as ``probed`` once it is known not to answer; if it changed meanwhile,
+        this returns ``None`` again.
+
+        Raises:
+            Refusal: the request lacks a worker id or an address.
+        """
         if not request.worker_id or not request.address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
-        for _ in range(3):
-            with self._cond:
-                seen = self._workers.get(request.worker_id)
-                suspect = seen is not None and seen.alive and self._other_process(seen, request)
-            # Another process under a live worker's id, elsewhere: a restart if the old address is
-            # silent, else two processes given the same id (probed outside the lock: up to a second).
-            if suspect and seen.address != request.address and self._probe(seen.address):
-                context.abort(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"worker id {request.worker_id!r} is already used by a live process at {seen.address}",
-                )
-            with self._cond:
-                if self._workers.get(request.worker_id) is seen:  # else it changed while probing: look again
-                    return self._register(request, context)
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"worker id {request.worker_id!r} is being registered concurrently")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        with self._lock:
+            conflict = self._conflict(request)
+            if conflict is not None and conflict is not probed:
+                return None
+            return self._register(request)
 
-    def _register(self, request, context) -> coordinator_pb2.RegisterResponse:
+    def conflict(self, request) -> Optional[_Worker]:
+        """The live worker of ``request``'s id whose process elsewhere must be probed, if any."""
+        with self._lock:
+            return self._conflict(request)
+
+    def _conflict(self, request) -> Optional[_Worker]:
+        seen = self._workers.get(request.worker_id)
+        if seen is not None and seen.alive and self._other_process(seen, request) and seen.address != request.address:
+            return seen
+        return None
+
+    def _register(self, request) -> coordinator_pb2.RegisterResponse:
         """Registers the worker (lock held; a live process elsewhere under its id was ruled out)."""
         if request.membership.version > self._membership.version:
             self._recover(request)
@@ -348,36 +374,24 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self._barrier = None
         if request.last_commit.commit_id > self._last_commit.commit_id:
             self._last_commit.CopyFrom(request.last_commit)
-        self._cond.notify_all()
+        self.changes.notify()
 
-    def GetMembership(self, request, context):
-        wait_s = min(max(request.wait_s, 0.0), MAX_MEMBERSHIP_WAIT_S)
+    def membership_answer(self, request, waited_out: bool = False) -> Optional[coordinator_pb2.GetMembershipResponse]:
+        """The answer to a membership long poll, or ``None`` while it should wait.
 
-        def ready():
-            m = self._membership
-            return (
-                self._stop.is_set()
-                or self._finished
-                or not context.is_active()
-                or self._replaced(request.worker_id, request.incarnation)
-                or (m.version > request.after_version and m.rank_of(request.worker_id) >= 0 and self._ready(m))
-            )
-
-        def wake():
-            with self._cond:
-                self._cond.notify_all()
-
-        context.add_callback(wake)  # the caller hung up or died: stop waiting
-        with self._cond:
+        A poll is answered once a membership after ``request.after_version``
+        holds the worker and has enough members, or when the job finished, the
+        coordinator stops, the worker's process was replaced, or (``waited_out``)
+        the poll's time is up. While the caller waits, bracket the wait with
+        :meth:`waiting`: a worker that waits is alive.
+        """
+        with self._lock:
             if self._replaced(request.worker_id, request.incarnation):
                 return coordinator_pb2.GetMembershipResponse(membership=self._membership.to_proto(), replaced=True)
-            self._waiting[request.worker_id] += 1
-            try:
-                self._cond.wait_for(ready, timeout=wait_s)
-            finally:
-                self._waiting[request.worker_id] -= 1
-            if self._replaced(request.worker_id, request.incarnation):  # while it waited
-                return coordinator_pb2.GetMembershipResponse(membership=self._membership.to_proto(), replaced=True)
+            m = self._membership
+            ready = m.version > request.after_version and m.rank_of(request.worker_id) >= 0 and self._ready(m)
+            if not (ready or waited_out or self._stopped or self._finished):
+                return None
             self._touch(request.worker_id)
             return coordinator_pb2.GetMembershipResponse(
                 membership=self._membership.to_proto(),
@@ -387,6 +401,13 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 last_commit=self._last_commit,
                 job_finished=self._finished,
             )
+
+    def waiting(self, worker_id: str, waits: bool) -> None:
+        """Marks the start (``waits``) or the end of a long poll of ``worker_id``."""
+        with self._lock:
+            self._waiting[worker_id] += 1 if waits else -1
+            if not self._waiting[worker_id]:
+                del self._waiting[worker_id]
 
     def _touch(self, worker_id: str) -> bool:
         """Records a sign of life; returns whether the worker is known and alive (lock held)."""
@@ -401,16 +422,16 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         worker = self._workers.get(worker_id)
         return bool(worker is not None and worker.incarnation and incarnation and worker.incarnation != incarnation)
 
-    def Heartbeat(self, request, context):
-        with self._cond:
+    def heartbeat(self, request) -> coordinator_pb2.HeartbeatResponse:
+        with self._lock:
             version = self._membership.version
             if self._replaced(request.worker_id, request.incarnation):
                 return coordinator_pb2.HeartbeatResponse(membership_version=version, known=False, replaced=True)
             known = self._touch(request.worker_id) and self._workers[request.worker_id].reported
             return coordinator_pb2.HeartbeatResponse(membership_version=version, known=known)
 
-    def Leave(self, request, context):
-        with self._cond:
+    def leave(self, request) -> coordinator_pb2.LeaveResponse:
+        with self._lock:
             if self._replaced(request.worker_id, request.incarnation):  # must not remove its successor
                 logger.info("ignored the leave of worker %s's replaced process", request.worker_id)
                 return coordinator_pb2.LeaveResponse(membership_version=self._membership.version)
@@ -418,7 +439,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             if request.finished and not self._finished:
                 self._finished = True
                 logger.info("worker %s finished the job: workers waiting to join are released", request.worker_id)
-                self._cond.notify_all()
+                self.changes.notify()
             if worker is not None and worker.alive:
                 worker.alive = False
                 logger.info("worker %s left: %s", request.worker_id, request.reason or "no reason given")
@@ -426,56 +447,65 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                     self._publish_if_changed(f"{request.worker_id} left")
             return coordinator_pb2.LeaveResponse(membership_version=self._membership.version)
 
-    # ---- RPCs: failures -------------------------------------------------------------------
+    # ---- failures -------------------------------------------------------------------------
 
-    def _probe(self, address: str) -> bool:
-        """Whether the worker at ``address`` answers a gRPC health check quickly."""
-        return answers_health_check(address, self._options, timeout=_PROBE_TIMEOUT_S)
-
-    def ReportFailure(self, request, context):
-        with self._cond:
+    def failure_suspects(self, request) -> Optional[List[Tuple[str, str]]]:
+        """The ``(worker id, address)`` pairs a failure report names, for the caller to probe;
+        ``None`` when the report is stale (another membership, or a replaced process)."""
+        with self._lock:
             if request.membership_version != self._membership.version or self._replaced(
                 request.worker_id, request.incarnation
             ):
-                return coordinator_pb2.FailureReportResponse(membership_version=self._membership.version)
-            suspects = [self._workers[s] for s in request.suspects if s in self._workers]
-        unreachable = [w for w in suspects if not self._probe(w.address)]
-        with self._cond:
+                return None
+            return [(s, self._workers[s].address) for s in request.suspects if s in self._workers]
+
+    def report_failure(self, request, unreachable: List[str]) -> coordinator_pb2.FailureReportResponse:
+        """Acts on a failure report: the ``unreachable`` suspects (they did not answer a probe) are
+        declared dead, and the members re-form (a new version, even with the same members)."""
+        with self._lock:
             if request.membership_version == self._membership.version:
-                for w in unreachable:
+                gone = [self._workers[w] for w in unreachable]
+                for w in gone:
                     if w.alive:
                         w.alive = False
                         logger.warning("worker %s (%s) does not answer: declared dead", w.worker_id, w.address)
-                gone = ", ".join(w.worker_id for w in unreachable)
-                reason = f"{request.worker_id} reported: {request.reason}" + (f"; {gone} unreachable" if gone else "")
+                names = ", ".join(w.worker_id for w in gone)
+                reason = f"{request.worker_id} reported: {request.reason}" + (f"; {names} unreachable" if names else "")
                 self._publish_if_changed(reason, force=True)
             return coordinator_pb2.FailureReportResponse(membership_version=self._membership.version)
 
-    # ---- RPCs: commits --------------------------------------------------------------------
+    # ---- commits --------------------------------------------------------------------------
 
-    def Commit(self, request, context):
-        with self._cond:
+    def enter_commit(self, request) -> Tuple[Optional[coordinator_pb2.CommitResponse], Optional[_Barrier]]:
+        """Adds a member's commit to the barrier.
+
+        Returns:
+            ``(answer, None)`` when there is no need to wait, else ``(None, barrier)``:
+            ask :meth:`commit_answer` with that barrier after each change.
+        """
+        with self._lock:
             response = self._enter_commit(request)
             if response is not None:
-                return response
+                return response, None
             if self._is_recorded(request):  # this was the last member to arrive
-                return self._commit_response(True, "recorded")
-            barrier = self._barrier
+                return self._commit_response(True, "recorded"), None
+            return None, self._barrier
 
-            def settled():
-                return (
-                    self._stop.is_set()
-                    or not context.is_active()
-                    or self._barrier is not barrier
-                    or bool(barrier.error)
-                    or self._is_recorded(request)
-                )
+    def commit_answer(
+        self, request, barrier: _Barrier, waited_out: bool = False
+    ) -> Optional[coordinator_pb2.CommitResponse]:
+        """The answer to a commit waiting at ``barrier``, or ``None`` while it should wait on.
 
-            self._cond.wait_for(settled, timeout=MAX_MEMBERSHIP_WAIT_S)
+        Raises:
+            Refusal: the members disagree (commit ids or data positions): ``FAILED_PRECONDITION``.
+        """
+        with self._lock:
             if self._is_recorded(request):
                 return self._commit_response(True, "recorded")
             if barrier.error:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, barrier.error)
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, barrier.error)
+            if self._barrier is barrier and not (waited_out or self._stopped):
+                return None
             if self._membership.version != request.membership_version:
                 return self._commit_response(False, self._membership.reason)
             missing = [m.worker_id for m in self._membership.members if m.worker_id not in barrier.arrived]
@@ -507,7 +537,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                     f"{request.worker_id} commits #{request.commit_id} while "
                     f"{sorted(barrier.arrived)} commit #{barrier.commit_id}: every worker must commit at the same steps"
                 )
-                self._cond.notify_all()
+                self.changes.notify()
                 return None
             barrier = self._barrier = _Barrier(m.version, request.commit_id, request.position)
         if request.position != barrier.position:
@@ -516,7 +546,7 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 f"{_position_text(request.position)} but {sorted(barrier.arrived)} at "
                 f"{_position_text(barrier.position)}: the workers disagree on the data consumed"
             )
-            self._cond.notify_all()
+            self.changes.notify()
             return None
         barrier.arrived[request.worker_id] = request.leaving
         if all(member.worker_id in barrier.arrived for member in m.members):
@@ -533,15 +563,20 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self._barrier = None
         reason = f"{', '.join(leaving)} left gracefully at commit #{barrier.commit_id}" if leaving else ""
         self._publish_if_changed(reason or f"workers joined at commit #{barrier.commit_id}", admit=True)
-        self._cond.notify_all()
+        self.changes.notify()
 
-    # ---- RPCs: data -----------------------------------------------------------------------
+    # ---- data ---------------------------------------------------------------------------
 
-    def GetShards(self, request, context):
+    def get_shards(self, request) -> coordinator_pb2.GetShardsResponse:
+        """The shards of ``request.epoch`` of the job's dataset (registered by the first call).
+
+        Raises:
+            Refusal: the spec is invalid or differs from the registered one: ``INVALID_ARGUMENT``.
+        """
         s = request.spec
         try:
             spec = DatasetSpec(s.num_records, s.shard_size, s.seed, s.shuffle)
             starts, ends = self.shards.get(spec, request.epoch)
         except ConfigError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return coordinator_pb2.GetShardsResponse(starts=starts.tolist(), ends=ends.tolist())

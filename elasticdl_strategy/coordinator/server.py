@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -10,17 +11,28 @@ import threading
 from typing import List, Optional
 
 from elasticdl_strategy.coordinator.coordinator import Coordinator, CoordinatorParams
+from elasticdl_strategy.coordinator.service import CoordinatorService, health_probe
 from elasticdl_strategy.transport.auth import validate_token
-from elasticdl_strategy.transport.endpoints import start_server
+from elasticdl_strategy.transport.endpoints import start_aio_server
 from elasticdl_strategy.transport.health import HealthService
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Calls open at once from one address (all of a host's workers share one): a worker holds a long
+# poll or a commit, a heartbeat, and now and then a report, a shard request or a leave.
+CALLS_PER_WORKER = 4
+CALLS_BESIDE_WORKERS = 16  # the launcher's and operators' calls
+# Longest the server's event loop may take to start or stop serving.
+_START_TIMEOUT_S = 10.0
+
 
 class CoordinatorServer:
     """A :class:`Coordinator` served over gRPC with token auth and gRPC health.
+
+    The server runs a ``grpc.aio`` event loop in a thread of its own: waiting
+    calls (long polls, commit barriers) are coroutines, the reaper a task.
 
     Example::
 
@@ -28,33 +40,55 @@ class CoordinatorServer:
         address = f"127.0.0.1:{server.port}"
         ...
         server.stop()
+
+    Raises:
+        ConfigError: the address cannot be bound.
     """
 
     def __init__(self, params: CoordinatorParams, bind: str, token: str, options: TransportOptions):
-        self.coordinator = Coordinator(params, options=options)  # its health probes use the job's TLS
+        self.coordinator = Coordinator(params)
         self.health = HealthService()
+        self._service = CoordinatorService(self.coordinator, health_probe(options))  # probes use the job's TLS
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="edl-coordinator", daemon=True)
+        self._thread.start()
+        try:
+            self._server, self.port = self._run(self._start(bind, validate_token(token), options), _START_TIMEOUT_S)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=_START_TIMEOUT_S)
+            raise
+        self._reaper = asyncio.run_coroutine_threadsafe(self._reap(), self._loop)
 
+    def _run(self, coroutine, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    async def _start(self, bind: str, token: str, options: TransportOptions):
         def register(server):
-            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.coordinator, server)
+            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self._service, server)
 
-        # Each worker holds at most one blocking call (a membership long-poll or a commit barrier)
-        # beside short ones (heartbeats): all of them must be served at once, or a commit of more
-        # workers than threads never completes.
-        threads = 64 + 8 * params.max_workers
-        self._server, self.port = start_server(
-            [self.health.generic_handler()],
-            bind,
-            validate_token(token),
-            options,
-            max_workers=threads,
-            register=register,
-        )
-        self.coordinator.start_reaper()
+        calls = CALLS_PER_WORKER * self.coordinator.params.max_workers + CALLS_BESIDE_WORKERS
+        return await start_aio_server([self.health.generic_handler(aio=True)], bind, token, options, calls, register)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.coordinator.reap_period_s)
+            self.coordinator.reap()
 
     def stop(self, grace: float = 1.0) -> None:
+        """Stops serving: waiting calls are answered, others get ``grace`` seconds to finish."""
+        if self._loop.is_closed():
+            return
         self.coordinator.stop()
         self.health.stop_serving()
-        self._server.stop(grace).wait(timeout=grace + 1.0)
+        self._reaper.cancel()
+        try:
+            self._run(self._server.stop(grace), grace + _START_TIMEOUT_S)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=_START_TIMEOUT_S)
+            if not self._thread.is_alive():
+                self._loop.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import time
 from typing import Callable, Iterator, List, NoReturn, Optional, TypeVar
 
 from elasticdl_strategy import collective
+from elasticdl_strategy.collective.worker import ElasticLoop
 from elasticdl_strategy.elastic.state import State, WorkerLeft
 from elasticdl_strategy.errors import (
     CollectiveMismatchError,
@@ -72,8 +73,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> T:
         worker = collective.current_worker()
-        worker.elastic = True
-        collective.elastic_phase = "training"
+        worker.elastic_loop = ElasticLoop.RUNNING
         with _leave_on_sigterm(state):
             first_entry = True
             reset: Optional[_Reset] = None
@@ -93,7 +93,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                         _log_recovered(worker, state, reset)
                         reset = None
                     result = func(state, *args, **kwargs)
-                    collective.elastic_phase = "done"
+                    worker.elastic_loop = ElasticLoop.RETURNED
                     return result
                 except WorkerLeft as left:
                     _exit(str(left) or f"left the job gracefully at commit #{state.commit_id}")

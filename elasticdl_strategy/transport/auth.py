@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple
 import grpc
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport.malformed import refuse_malformed
 from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,39 @@ def _rejecting_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(reject)
 
 
+def _aio_rejecting_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
+    """:func:`_rejecting_handler` for a ``grpc.aio`` server."""
+
+    async def reject(request_iterator, context):
+        _refusals.refused(grpc_peer_host(context.peer()), reason)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} rejected: the call carried {reason}")
+
+    return grpc.stream_stream_rpc_method_handler(reject)
+
+
+class _TokenCheck:
+    """Which calls are let through: the exempt methods, and those carrying the job token."""
+
+    def __init__(self, token: str, exempt_prefixes: Sequence[str]):
+        self._token = validate_token(token).encode()
+        self._exempt = tuple(exempt_prefixes)
+
+    def refusal(self, handler_call_details) -> Optional[str]:
+        """Why the call is refused, or ``None`` when it may proceed."""
+        if handler_call_details.method.startswith(self._exempt):
+            return None
+        presented = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+                break
+        if presented is not None and hmac.compare_digest(presented, self._token):
+            return None
+        return "no job token" if presented is None else "a wrong job token"
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects every call whose metadata lacks the job token.
+    """Rejects every call whose metadata lacks the job token; refuses malformed requests of the others.
 
     Example::
 
@@ -75,19 +107,28 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, token: str, exempt_prefixes: Sequence[str] = _UNAUTHENTICATED_PREFIXES):
-        self._token = validate_token(token).encode()
-        self._exempt = tuple(exempt_prefixes)
+        self._check = _TokenCheck(token, exempt_prefixes)
 
     def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        if method.startswith(self._exempt):
-            return continuation(handler_call_details)
-        presented = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_METADATA_KEY:
-                presented = value.encode() if isinstance(value, str) else value
-                break
-        if presented is not None and hmac.compare_digest(presented, self._token):
-            return continuation(handler_call_details)
-        reason = "no job token" if presented is None else "a wrong job token"
-        return _rejecting_handler(method, reason)
+        reason = self._check.refusal(handler_call_details)
+        if reason is None:
+            return refuse_malformed(continuation(handler_call_details), aio=False)
+        return _rejecting_handler(handler_call_details.method, reason)
+
+
+class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`TokenAuthInterceptor` for a ``grpc.aio`` server.
+
+    Example::
+
+        server = grpc.aio.server(interceptors=[AioTokenAuthInterceptor(token)])
+    """
+
+    def __init__(self, token: str, exempt_prefixes: Sequence[str] = _UNAUTHENTICATED_PREFIXES):
+        self._check = _TokenCheck(token, exempt_prefixes)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        reason = self._check.refusal(handler_call_details)
+        if reason is None:
+            return refuse_malformed(await continuation(handler_call_details), aio=True)
+        return _aio_rejecting_handler(handler_call_details.method, reason)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.endpoints import open_aio_channel, open_channel
 from elasticdl_strategy.transport.options import TransportOptions
 
 SERVICE = "grpc.health.v1.Health"
@@ -38,6 +38,18 @@ def answers_health_check(address: str, options: TransportOptions, timeout: float
         channel.close()
 
 
+async def answers_health_check_aio(address: str, options: TransportOptions, timeout: float = 1.0) -> bool:
+    """:func:`answers_health_check` in an event loop: the wait holds no thread."""
+    channel = open_aio_channel(address, options)
+    try:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        await channel.close()
+
+
 class HealthService:
     """The health of one server: ``SERVING`` until :meth:`stop_serving`.
 
@@ -55,11 +67,16 @@ class HealthService:
     def stop_serving(self) -> None:
         self._status = health_pb2.HealthCheckResponse.NOT_SERVING
 
-    def generic_handler(self) -> grpc.GenericRpcHandler:
+    def generic_handler(self, aio: bool = False) -> grpc.GenericRpcHandler:
+        """The handler to serve; ``aio=True`` for a ``grpc.aio`` server."""
         check = grpc.stream_unary_rpc_method_handler(
-            self._check, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+            self._check_aio if aio else self._check,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler(SERVICE, {"Check": check})
 
     def _check(self, request_iterator, context) -> health_pb2.HealthCheckResponse:
         return health_pb2.HealthCheckResponse(status=self._status)
+
+    async def _check_aio(self, request_iterator, context) -> health_pb2.HealthCheckResponse:
+        return self._check(request_iterator, context)

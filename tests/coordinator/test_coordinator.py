@@ -1,5 +1,6 @@
 """Rendezvous: ranks by join order, formation, heartbeats, leaving, timeouts."""
 
+import asyncio
 import threading
 import time
 
@@ -9,8 +10,10 @@ import pytest
 from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.server import CoordinatorServer
+from elasticdl_strategy.coordinator.service import CoordinatorService, health_probe
 from elasticdl_strategy.errors import ConfigError, RendezvousError, RendezvousTimeoutError, WorkerReplaced
 from elasticdl_strategy.transport.auth import call_metadata, new_token
+from elasticdl_strategy.transport.endpoints import open_aio_channel
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
 from elasticdl_strategy.transport.protos import coordinator_pb2_grpc as pb_grpc
@@ -25,19 +28,34 @@ class FakeClock:
 
 
 class Context:
-    def abort(self, code, details):
+    async def abort(self, code, details):
         raise grpc.RpcError(f"{code}: {details}")
 
-    def is_active(self):
-        return True
 
-    def add_callback(self, callback):
-        return True
+class Direct:
+    """A coordinator and its service, the service's methods called without gRPC, each in an event
+    loop of its own (so that calls from several threads wait concurrently, as served calls do)."""
+
+    def __init__(self, params, clock):
+        self.core = Coordinator(params, clock=clock)
+        self.probe = None  # a stand-in for the health probe: whether a worker at an address answers
+        real_probe = health_probe(TransportOptions())
+
+        async def probe(address):
+            return await real_probe(address) if self.probe is None else self.probe(address)
+
+        self._service = CoordinatorService(self.core, probe)
+
+    def __getattr__(self, name):
+        if name[0].isupper():  # an RPC
+            method = getattr(self._service, name)
+            return lambda request: asyncio.run(method(request, Context()))
+        return getattr(self.core, name)
 
 
 def register(coordinator, worker_id, address=None, incarnation="first"):
     request = pb.RegisterRequest(worker_id=worker_id, address=address or f"h:{worker_id}", incarnation=incarnation)
-    return coordinator.Register(request, Context())
+    return coordinator.Register(request)
 
 
 def members(coordinator):
@@ -45,7 +63,7 @@ def members(coordinator):
 
 
 def test_membership_forms_at_target_with_ranks_in_join_order():
-    c = Coordinator(CoordinatorParams(min_workers=2, max_workers=3, target_workers=3), clock=FakeClock())
+    c = Direct(CoordinatorParams(min_workers=2, max_workers=3, target_workers=3), clock=FakeClock())
     for wid in ["b", "a"]:
         register(c, wid)
     assert c.membership.version == 0  # 2 of 3, last call not over
@@ -57,7 +75,7 @@ def test_membership_forms_at_target_with_ranks_in_join_order():
 
 def test_last_call_forms_with_min_workers():
     clock = FakeClock()
-    c = Coordinator(CoordinatorParams(min_workers=2, max_workers=4, target_workers=4, last_call_s=5), clock=clock)
+    c = Direct(CoordinatorParams(min_workers=2, max_workers=4, target_workers=4, last_call_s=5), clock=clock)
     register(c, "a")
     register(c, "b")
     clock.now += 4
@@ -70,18 +88,18 @@ def test_last_call_forms_with_min_workers():
 
 def test_missed_heartbeats_publish_a_new_version_without_the_dead_worker():
     clock = FakeClock()
-    c = Coordinator(CoordinatorParams(1, 3, 3, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    c = Direct(CoordinatorParams(1, 3, 3, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
     for wid in "abc":
         register(c, wid)
     assert c.membership.version == 1
     clock.now += 4
     for wid in "ac":
-        assert c.Heartbeat(pb.HeartbeatRequest(worker_id=wid), Context()).known
+        assert c.Heartbeat(pb.HeartbeatRequest(worker_id=wid)).known
     clock.now += 2  # b silent for 6 s
     c.reap()
     assert c.membership.version == 2 and members(c) == ["a", "c"]
     assert "b missed heartbeats" in c.membership.reason
-    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="b"), Context()).known
+    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="b")).known
 
 
 def commit(coordinator, worker_id, commit_id, version=None, leaving=False, epoch=0):
@@ -92,14 +110,14 @@ def commit(coordinator, worker_id, commit_id, version=None, leaving=False, epoch
         position=pb.DataPosition(epoch=epoch),
         leaving=leaving,
     )
-    return coordinator.Commit(request, Context())
+    return coordinator.Commit(request)
 
 
 def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():
-    c = Coordinator(CoordinatorParams(1, 3, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 3, 2), clock=FakeClock())
     register(c, "a")
     register(c, "b")
-    c.Leave(pb.LeaveRequest(worker_id="a", reason="done"), Context())
+    c.Leave(pb.LeaveRequest(worker_id="a", reason="done"))
     assert c.membership.version == 2 and members(c) == ["b"]
     response = register(c, "a")
     # b is training: a waits for b's next commit, so that both switch at the same step.
@@ -109,26 +127,26 @@ def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():
 
 
 def test_extra_workers_beyond_max_wait_as_standbys():
-    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
     assert members(c) == ["a", "b"]
-    c.Leave(pb.LeaveRequest(worker_id="a"), Context())
+    c.Leave(pb.LeaveRequest(worker_id="a"))
     assert members(c) == ["b", "c"]
 
 
 def test_same_id_from_another_address_is_refused_while_the_first_process_answers(monkeypatch):
-    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
     register(c, "a", "h:1")
     register(c, "a", "h:1")  # a retry is fine
-    monkeypatch.setattr(c, "_probe", lambda address: True)
+    monkeypatch.setattr(c, "probe", lambda address: True)
     for incarnation in ("second", ""):  # another process, or a client that does not say
         with pytest.raises(grpc.RpcError, match="already used by a live process at h:1"):
             register(c, "a", "h:2", incarnation=incarnation)
 
 
 def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new_worker():
-    c = Coordinator(CoordinatorParams(2, 3, 3), clock=FakeClock())
+    c = Direct(CoordinatorParams(2, 3, 3), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
     assert c.membership.version == 1 and members(c) == ["a", "b", "c"]
@@ -148,13 +166,13 @@ def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new
 
 
 def test_a_new_process_elsewhere_under_a_live_workers_id_is_refused_while_the_old_one_answers(monkeypatch):
-    c = Coordinator(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
     register(c, "a", "h:1")
-    monkeypatch.setattr(c, "_probe", lambda address: address == "h:1")  # the old process answers health checks
+    monkeypatch.setattr(c, "probe", lambda address: address == "h:1")  # the old process answers health checks
     with pytest.raises(grpc.RpcError, match="already used by a live process at h:1"):
         register(c, "a", "h:2", incarnation="second")
     assert members(c) == ["a"] and c.membership.version == 1
-    monkeypatch.setattr(c, "_probe", lambda address: False)  # it died (a relaunched pod, new address)
+    monkeypatch.setattr(c, "probe", lambda address: False)  # it died (a relaunched pod, new address)
     assert register(c, "a", "h:2", incarnation="second").join_order == 2
     assert c.membership.version == 3 and [m.address for m in c.membership.members] == ["h:2"]
 
@@ -249,7 +267,7 @@ def in_thread(fn, *args, **kwargs):
 
 
 def test_a_commit_is_recorded_only_when_every_member_sent_it():
-    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
     register(c, "a")
     register(c, "b")
     thread, result = in_thread(commit, c, "a", 1)
@@ -262,7 +280,7 @@ def test_a_commit_is_recorded_only_when_every_member_sent_it():
 
 
 def test_commits_at_different_data_positions_are_refused_on_every_member():
-    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
     register(c, "a")
     register(c, "b")
     thread, result = in_thread(lambda: pytest.raises(grpc.RpcError, commit, c, "a", 1, epoch=0))
@@ -275,7 +293,7 @@ def test_commits_at_different_data_positions_are_refused_on_every_member():
 
 def test_a_member_dying_during_a_commit_aborts_it_for_the_others():
     clock = FakeClock()
-    c = Coordinator(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    c = Direct(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
     register(c, "a")
     register(c, "b")
     thread, result = in_thread(commit, c, "a", 1)
@@ -288,7 +306,7 @@ def test_a_member_dying_during_a_commit_aborts_it_for_the_others():
 
 
 def test_a_worker_leaving_at_a_commit_is_removed_when_it_is_recorded():
-    c = Coordinator(CoordinatorParams(1, 3, 3), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 3, 3), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
     threads = [in_thread(commit, c, wid, 4, leaving=wid == "b") for wid in "ac"]
@@ -301,55 +319,55 @@ def test_a_worker_leaving_at_a_commit_is_removed_when_it_is_recorded():
 
 
 def test_a_reported_peer_that_does_not_answer_is_removed():
-    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
     with socket_port() as port:
         register(c, "a")
         register(c, "b", f"127.0.0.1:{port}")  # nothing serves there
-        c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["b"], reason="x"), Context())
+        c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["b"], reason="x"))
     assert members(c) == ["a"] and c.membership.version == 2
     # A report about an old membership changes nothing.
-    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["a"], reason="x"), Context())
+    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["a"], reason="x"))
     assert c.membership.version == 2
 
 
 def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
-    c = Coordinator(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
     spec = pb.DatasetSpec(num_records=100, shard_size=10, seed=1, shuffle=True)
-    first = c.GetShards(pb.GetShardsRequest(worker_id="a", spec=spec, epoch=0), Context())
-    again = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=0), Context())
-    other = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=1), Context())
+    first = c.GetShards(pb.GetShardsRequest(worker_id="a", spec=spec, epoch=0))
+    again = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=0))
+    other = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=1))
     assert list(first.starts) == list(again.starts) and list(first.starts) != list(other.starts)
     assert sorted(first.starts) == list(range(0, 100, 10))
     different = pb.DatasetSpec(num_records=99, shard_size=10, seed=1, shuffle=True)
     with pytest.raises(grpc.RpcError, match="differs from the job's"):
-        c.GetShards(pb.GetShardsRequest(worker_id="c", spec=different, epoch=0), Context())
+        c.GetShards(pb.GetShardsRequest(worker_id="c", spec=different, epoch=0))
 
 
 def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report():
-    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
     known = pb.Membership(version=7, members=[pb.Member(worker_id=w, address=f"h:{w}") for w in "ab"])
     last = pb.CommitRecord(commit_id=12, membership_version=7, position=pb.DataPosition(epoch=1, cursor=40))
     request = pb.RegisterRequest(worker_id="b", address="h:b", membership=known, last_commit=last)
-    response = c.Register(request, Context())
+    response = c.Register(request)
     assert not response.joins_running_job
     assert c.membership.version == 7 and members(c) == ["a", "b"]
     assert c.last_commit.commit_id == 12 and c.last_commit.position.cursor == 40
     assert commit(c, "a", 12, version=7).recorded  # a member whose reply was lost learns it
     # a, adopted from b's report, is asked to register itself (its heartbeat is "unknown") ...
-    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7), Context()).known
+    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7)).known
     # ... and when it knows a later commit of the same membership, the newest wins.
     later = pb.CommitRecord(commit_id=13, membership_version=7, position=pb.DataPosition(epoch=1, cursor=48))
-    c.Register(pb.RegisterRequest(worker_id="a", address="h:a", membership=known, last_commit=later), Context())
+    c.Register(pb.RegisterRequest(worker_id="a", address="h:a", membership=known, last_commit=later))
     assert c.last_commit.commit_id == 13
-    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7), Context()).known
+    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7)).known
 
 
 def test_a_finished_job_releases_standbys():
-    c = Coordinator(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
     register(c, "a")
     register(c, "standby")
-    c.Leave(pb.LeaveRequest(worker_id="a", reason="finished", finished=True), Context())
-    response = c.GetMembership(pb.GetMembershipRequest(worker_id="standby", after_version=0, wait_s=5), Context())
+    c.Leave(pb.LeaveRequest(worker_id="a", reason="finished", finished=True))
+    response = c.GetMembership(pb.GetMembershipRequest(worker_id="standby", after_version=0, wait_s=5))
     assert response.job_finished and members(c) == ["a"]
 
 
@@ -367,53 +385,75 @@ class socket_port:
         self._socket.close()
 
 
-def test_a_commit_of_more_workers_than_a_fixed_thread_pool_completes():
-    # Every member's Commit blocks at the barrier until the last one arrives: the server must be
-    # able to hold them all at once (and still answer heartbeats meanwhile).
+def test_waiting_commits_of_many_workers_hold_no_thread_and_heartbeats_go_on():
+    # Every member's Commit waits at the barrier until the last one arrives: 80 of them, each on a
+    # connection of its own as from 80 worker processes, wait as coroutines, and a heartbeat is
+    # answered at once meanwhile.
     n = 80
     token = new_token()
     params = CoordinatorParams(n, n, n, heartbeat_interval_s=1, heartbeat_timeout_s=30)
     server = CoordinatorServer(params, "127.0.0.1:0", token, TransportOptions())
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = pb_grpc.CoordinatorStub(channel)
     metadata = call_metadata(token)
+
+    async def main():
+        channels = [open_aio_channel(f"127.0.0.1:{server.port}", TransportOptions()) for _ in range(n)]
+        stubs = [pb_grpc.CoordinatorStub(channel) for channel in channels]
+        try:
+            for i, stub in enumerate(stubs):
+                request = pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}")
+                await stub.Register(request, metadata=metadata, timeout=5)
+            version = server.coordinator.membership.version
+            assert server.coordinator.membership.size == n
+
+            def commit(i):
+                request = pb.CommitRequest(worker_id=f"w{i}", membership_version=version, commit_id=1)
+                return stubs[i].Commit(request, metadata=metadata, timeout=20)
+
+            threads = threading.active_count()
+            waiting = [asyncio.ensure_future(commit(i)) for i in range(n - 1)]
+            await wait_until(lambda: arrived(server.coordinator) == n - 1)
+            assert threading.active_count() <= threads + 2  # not one per waiting call
+            beat = await stubs[0].Heartbeat(pb.HeartbeatRequest(worker_id="w0"), metadata=metadata, timeout=1)
+            assert beat.known and not any(call.done() for call in waiting)
+            last = await commit(n - 1)
+            assert last.recorded and all(r.recorded for r in await asyncio.gather(*waiting))
+        finally:
+            for channel in channels:
+                await channel.close()
+
     try:
-        for i in range(n):
-            stub.Register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}"), metadata=metadata, timeout=5)
-        assert server.coordinator.membership.size == n
-        version = server.coordinator.membership.version
-        results = [None] * n
-
-        def commit_one(i):
-            request = pb.CommitRequest(worker_id=f"w{i}", membership_version=version, commit_id=1)
-            results[i] = stub.Commit(request, metadata=metadata, timeout=20).recorded
-
-        threads = [threading.Thread(target=commit_one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert results == [True] * n
+        asyncio.run(main())
     finally:
-        channel.close()
         server.stop(0)
+
+
+def arrived(coordinator):
+    barrier = coordinator._barrier
+    return 0 if barrier is None else len(barrier.arrived)
+
+
+async def wait_until(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 def test_a_replaced_process_is_told_to_stop_and_cannot_keep_its_successor_alive():
     clock = FakeClock()
-    c = Coordinator(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    c = Direct(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
     register(c, "a", incarnation="first")
     register(c, "b", incarnation="first")
     register(c, "a", "h:new", incarnation="second")  # the old "a" hung, a new process took its id
-    old = c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="first"), Context())
+    old = c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="first"))
     assert old.replaced and not old.known
-    waiting = c.GetMembership(pb.GetMembershipRequest(worker_id="a", incarnation="first", wait_s=30), Context())
+    waiting = c.GetMembership(pb.GetMembershipRequest(worker_id="a", incarnation="first", wait_s=30))
     assert waiting.replaced  # at once: the old process must not wait for, or be handed, a membership
     clock.now += 6  # only the old process "heartbeats": the new one is declared dead, not kept alive by it
-    c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"), Context())
+    c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"))
     c.reap()
     assert "a" not in members(c)
-    new = c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"), Context())
+    new = c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"))
     assert new.known and not new.replaced
 
 
@@ -433,7 +473,7 @@ def test_a_client_whose_id_was_taken_by_a_new_process_raises_worker_replaced(ser
 
 
 def test_a_replaced_process_cannot_leave_commit_or_report_for_its_successor():
-    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
     register(c, "a", incarnation="first")
     register(c, "b", incarnation="first")
     register(c, "a", incarnation="second")  # restarted in place
@@ -441,21 +481,21 @@ def test_a_replaced_process_cannot_leave_commit_or_report_for_its_successor():
     assert commit(c, "b", 1).membership_version == 3 and members(c) == ["b", "a"]  # admitted at b's commit
     version = c.membership.version
     old = pb.CommitRequest(worker_id="a", membership_version=version, commit_id=2, incarnation="first")
-    assert not c.Commit(old, Context()).recorded  # the old process does not stand in for the new one
-    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=version, incarnation="first"), Context())
-    c.Leave(pb.LeaveRequest(worker_id="a", reason="exiting", incarnation="first"), Context())
+    assert not c.Commit(old).recorded  # the old process does not stand in for the new one
+    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=version, incarnation="first"))
+    c.Leave(pb.LeaveRequest(worker_id="a", reason="exiting", incarnation="first"))
     assert c.membership.version == version and members(c) == ["b", "a"]
-    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="second"), Context()).known
+    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="second")).known
 
 
 def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_its_successors_rank():
-    c = Coordinator(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
     register(c, "a", incarnation="first")
     answer = {}
 
     def wait():
         request = pb.GetMembershipRequest(worker_id="a", incarnation="first", wait_s=20)
-        answer["response"] = c.GetMembership(request, Context())
+        answer["response"] = c.GetMembership(request)
 
     waiter = threading.Thread(target=wait)
     waiter.start()
@@ -470,9 +510,9 @@ def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_i
 
 
 def test_after_a_coordinator_restart_an_adopted_member_relaunched_elsewhere_replaces_it(monkeypatch):
-    c = Coordinator(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
     known = pb.Membership(version=4, members=[pb.Member(worker_id=w, address=f"h:{w}") for w in "ab"])
-    c.Register(pb.RegisterRequest(worker_id="b", address="h:b", membership=known, incarnation="b1"), Context())
-    monkeypatch.setattr(c, "_probe", lambda address: False)  # "a" (adopted, incarnation unknown) is gone
+    c.Register(pb.RegisterRequest(worker_id="b", address="h:b", membership=known, incarnation="b1"))
+    monkeypatch.setattr(c, "probe", lambda address: False)  # "a" (adopted, incarnation unknown) is gone
     response = register(c, "a", "h:a2", incarnation="a2")
     assert response.joins_running_job and members(c) == ["b"]

@@ -3,8 +3,9 @@
 The attacker (asyncio, so that thousands of open calls cost it no thread) calls every method
 of every service without a token and with a wrong one, with garbage and oversized messages;
 opens calls that send their headers and never their request, twice as many per server as the
-threads the servers used to have (the coordinator 64 + 8 × 2, a worker 1024), health checks
-likewise; floods the workers' data-socket ports with connections and drips bytes into others;
+threads the servers used to have (the coordinator 64 + 8 × 2, a worker 1024; past a
+connection's bound of streams they are refused), health checks likewise; floods the workers'
+data-socket ports with connections and drips bytes into others;
 and keeps sending garbage, half-open calls and connections while the job's rounds run.
 Every attempt must be refused, the job's all-reduces stay exact in membership version 1,
 Health/Check answers within 1 s throughout, and the job takes less than 1.5× its time
@@ -215,10 +216,11 @@ def test_a_client_without_the_token_cannot_touch_a_training_job(tmp_path):
     assert {code for kind, _, path, code in findings["codes"] if kind == "garbage" and path in unary} == {
         "UNAUTHENTICATED"
     }
-    # Half-open calls ended at once: rejected, or (health checks) answered without their request.
+    # Half-open calls ended at once: rejected, or (health checks) answered without their request;
+    # UNAVAILABLE: a stream past the bound of one connection, refused (the burst opens them on one).
     half_open = collections.Counter(findings["half_open"])
-    assert all(code not in ("OK", "still open") for (path, code) in half_open if path != HEALTH), half_open
-    assert all(code in ("OK", "CANCELLED") for (path, code) in half_open if path == HEALTH), half_open
+    assert all(code in ("UNAUTHENTICATED", "UNAVAILABLE") for (path, code) in half_open if path != HEALTH), half_open
+    assert all(code in ("OK", "CANCELLED", "UNAVAILABLE") for (path, code) in half_open if path == HEALTH), half_open
     assert findings["health_latency"] and max(findings["health_latency"]) < 1.0, max(findings["health_latency"])
     assert findings["flood_open"] == 0 and findings["drips_accepted"] == 0, findings
     slowest = lambda reports: max(r["seconds"] for r in reports)  # noqa: E731
