@@ -449,27 +449,28 @@ class Coordinator:
 
     # ---- failures -------------------------------------------------------------------------
 
-    def failure_suspects(self, request) -> Optional[List[Tuple[str, str]]]:
-        """The ``(worker id, address)`` pairs a failure report names, for the caller to probe;
-        ``None`` when the report is stale (another membership, or a replaced process)."""
+    def failure_suspects(self, request) -> Optional[List[_Worker]]:
+        """The workers a failure report names, for the caller to probe; ``None`` when the report
+        is stale (another membership, or a replaced process)."""
         with self._lock:
             if request.membership_version != self._membership.version or self._replaced(
                 request.worker_id, request.incarnation
             ):
                 return None
-            return [(s, self._workers[s].address) for s in request.suspects if s in self._workers]
+            return [self._workers[s] for s in request.suspects if s in self._workers]
 
-    def report_failure(self, request, unreachable: List[str]) -> coordinator_pb2.FailureReportResponse:
-        """Acts on a failure report: the ``unreachable`` suspects (they did not answer a probe) are
-        declared dead, and the members re-form (a new version, even with the same members)."""
+    def report_failure(self, request, unreachable: List[_Worker]) -> coordinator_pb2.FailureReportResponse:
+        """Acts on a failure report: the ``unreachable`` suspects (as :meth:`failure_suspects`
+        returned them; they did not answer a probe) are declared dead — not a process that
+        registered under one's id meanwhile — and the members re-form (a new version, even with
+        the same members)."""
         with self._lock:
             if request.membership_version == self._membership.version:
-                gone = [self._workers[w] for w in unreachable]
-                for w in gone:
+                for w in unreachable:
                     if w.alive:
                         w.alive = False
                         logger.warning("worker %s (%s) does not answer: declared dead", w.worker_id, w.address)
-                names = ", ".join(w.worker_id for w in gone)
+                names = ", ".join(w.worker_id for w in unreachable)
                 reason = f"{request.worker_id} reported: {request.reason}" + (f"; {names} unreachable" if names else "")
                 self._publish_if_changed(reason, force=True)
             return coordinator_pb2.FailureReportResponse(membership_version=self._membership.version)

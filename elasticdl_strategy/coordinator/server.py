@@ -59,6 +59,7 @@ class CoordinatorServer:
             self._thread.join(timeout=_START_TIMEOUT_S)
             raise
         self._reaper = asyncio.run_coroutine_threadsafe(self._reap(), self._loop)
+        self._stopped = False
 
     def _run(self, coroutine, timeout: float):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
@@ -77,8 +78,9 @@ class CoordinatorServer:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stops serving: waiting calls are answered, others get ``grace`` seconds to finish."""
-        if self._loop.is_closed():
+        if self._stopped:
             return
+        self._stopped = True
         self.coordinator.stop()
         self.health.stop_serving()
         self._reaper.cancel()

@@ -101,8 +101,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         suspects = self.coordinator.failure_suspects(request)
         if suspects is None:
             return coordinator_pb2.FailureReportResponse(membership_version=self.coordinator.membership.version)
-        answered = await asyncio.gather(*(self._probe(address) for _, address in suspects))
-        unreachable = [worker_id for (worker_id, _), alive in zip(suspects, answered) if not alive]
+        answered = await asyncio.gather(*(self._probe(w.address) for w in suspects))
+        unreachable = [w for w, alive in zip(suspects, answered) if not alive]
         return self.coordinator.report_failure(request, unreachable)
 
     @_refusals_abort

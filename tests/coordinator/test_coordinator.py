@@ -330,6 +330,21 @@ def test_a_reported_peer_that_does_not_answer_is_removed():
     assert c.membership.version == 2
 
 
+def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declared_dead():
+    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    for wid in "abs":
+        register(c, wid)  # s: a standby
+    assert members(c) == ["a", "b"]
+
+    def probe(address):  # while the old standby is probed, it restarts (a new process, same address)
+        c.core.register(pb.RegisterRequest(worker_id="s", address="h:s", incarnation="second"))
+        return False
+
+    c.probe = probe
+    c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["s"], reason="x"))
+    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="s", incarnation="second")).known
+
+
 def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
     c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
     spec = pb.DatasetSpec(num_records=100, shard_size=10, seed=1, shuffle=True)
