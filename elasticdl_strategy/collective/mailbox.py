@@ -267,10 +267,12 @@ class Mailbox:
                 if error is not None:
                     entry.fail(error())
                     return entry.future, key
-                self._posted[key] = entry
             elif channel_error is not None:  # arrived, but the channel failed (an abort) before it was asked for
                 entry.fail(channel_error())
                 return entry.future, key
+            # Posted, also when (part of) its message arrived first: a sender or a channel failing
+            # from now on fails it (it is no longer among the unmatched).
+            self._posted[key] = entry
         entry.attach(sink)
         if entry.future.done():
             with self._lock:

@@ -308,13 +308,17 @@ class PointToPoint:
     # ---- failures -------------------------------------------------------------------------
 
     def peer_failed(self, peer: int, reason: str, clean: bool = False) -> None:
-        """Marks ``peer`` as gone: its incomplete and later receives raise PeerFailureError."""
+        """Marks ``peer`` as gone: its incomplete and later receives raise PeerFailureError, and
+        (unless it left ``clean``ly) so do the unsent and later sends to it."""
         with self._lock:
             if peer in self._failed or self._closed:
                 return
             self._failed[peer] = reason
         if not clean:
             logger.warning("%s failed: %s", self.describe_peer(peer), reason)
+            stream = self._streams.get(peer)
+            if stream is not None:  # sends to it fail now, not when that connection notices
+                stream.fail(reason)
         self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
         if self.failure_observer is not None:
             self.failure_observer(peer, reason, clean)

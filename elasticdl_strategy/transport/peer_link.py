@@ -191,6 +191,16 @@ class OutboundStream:
         if self._socket is not None:
             self._socket.close()
 
+    def fail(self, reason: str) -> None:
+        """Fails the stream from outside, its peer being known to be gone (say, its stream to us
+        broke): every unsent message and every later :meth:`submit` raise ``PeerFailureError`` at
+        once, and a write blocked on the data socket is woken. Without this a send to a peer cut
+        off by the network waits on the dead connection until the collective's deadline."""
+        if self._socket is not None:
+            self._socket.shutdown()
+        self._fail(reason)
+        self._call.cancel()
+
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
             raise PeerFailureError(

@@ -55,3 +55,22 @@ def test_a_receive_that_fails_while_the_transport_reads_into_its_buffer_complete
     entry.target_done()
     with pytest.raises(PeerFailureError, match="rank 1 failed"):
         future.result(timeout=1)
+
+
+@pytest.mark.parametrize("failure", ["source", "channel"])
+def test_a_receive_that_took_over_a_half_arrived_message_fails_when_its_sender_does(failure):
+    # The peer ran ahead: a message's header and some bytes arrived before its receive was posted,
+    # then the connection broke (a cut) mid-message. The receive must fail with the sender.
+    mailbox = Mailbox(rank=0)
+    header = peer_pb2.MessageHeader(channel=1, tag=0, sequence=0, nbytes=8, dtype="uint8", shape=[8])
+    mailbox.deliver(1, header).write(0, memoryview(b"abcd"))
+    future, _ = mailbox.post(1, 1, 0, ArraySink(0, np.zeros(8, np.uint8)))
+    assert not future.done() and mailbox.waiting_on(1) == {1}
+    gone = PeerFailureError("rank 0: rank 1 failed: the connection broke", peer_rank=1, rank=0)
+    if failure == "source":
+        mailbox.fail_source(1, lambda: gone)
+    else:
+        mailbox.fail_channel(1, lambda: gone)
+    with pytest.raises(PeerFailureError, match="the connection broke"):
+        future.result(timeout=1)
+    assert mailbox.waiting_on(1) == set()

@@ -1,12 +1,13 @@
 """Point-to-point: blocking and non-blocking, matching by (sender, tag, sequence), buffers, deadlines."""
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from elasticdl_strategy.collective.p2p import PointToPoint
-from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
+from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, PeerFailureError
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.worker_server import WorkerServer
@@ -119,4 +120,52 @@ def test_a_worker_receives_from_more_peers_than_a_fixed_thread_pool(transport):
     finally:
         for p in senders + [receiver]:
             p.close(timeout=2.0)
+        server.stop(grace=0.2)
+
+
+class _StalledReceiver:
+    """A peer's receiving end that takes a message's header and then stops reading (a peer cut off by
+    the network, as the sender sees it: nothing moves, and no error either)."""
+
+    def __init__(self):
+        self.header_arrived, self.release = threading.Event(), threading.Event()
+
+    def open_stream(self, hello):
+        return self
+
+    def on_abort(self, request):
+        pass
+
+    def on_header(self, header):
+        self.header_arrived.set()
+        self.release.wait(30)
+        raise ValueError("released")
+
+    def on_closed(self, error, goodbye):
+        pass
+
+
+@pytest.mark.parametrize("transport", ["data-socket", "grpc"])
+def test_sends_to_a_peer_declared_failed_fail_at_once_even_while_stuck_on_its_connection(transport):
+    # A cut between hosts shows first on one of the two connections of a pair (here: the peer's
+    # stream to us broke); the send stuck on the other must fail with it, not wait for its deadline.
+    token, options = new_token(), transport_options(transport, timeout_s=30)
+    server = WorkerServer("127.0.0.1:0", token, options)
+    stalled = _StalledReceiver()
+    server.set_listener(1, stalled)
+    sender = PointToPoint(0, ["127.0.0.1:1", f"127.0.0.1:{server.port}"], 1, token, options)
+    try:
+        request = sender.isend(np.ones(16 << 20, np.float32), dst=1)  # 64 MiB: more than any buffer
+        assert stalled.header_arrived.wait(10)
+        assert not request.done()
+        sender.peer_failed(1, "its stream to us broke")
+        started = time.monotonic()
+        with pytest.raises(PeerFailureError, match="its stream to us broke"):
+            request.wait(timeout=5)
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(PeerFailureError):  # and later sends too
+            sender.isend(np.ones(4), dst=1).wait(timeout=5)
+    finally:
+        stalled.release.set()
+        sender.close(timeout=2.0)
         server.stop(grace=0.2)
