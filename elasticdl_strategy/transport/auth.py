@@ -10,7 +10,6 @@ itself is never logged.
 from __future__ import annotations
 
 import hmac
-import logging
 import secrets
 from typing import Optional, Sequence, Tuple
 
@@ -18,9 +17,7 @@ import grpc
 
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.malformed import refuse_malformed
-from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
-
-logger = logging.getLogger(__name__)
+from elasticdl_strategy.transport.refusals import call_refusals, grpc_peer_host
 
 TOKEN_METADATA_KEY = "x-elasticdl-job-token"
 MIN_TOKEN_LENGTH = 16
@@ -48,9 +45,6 @@ def call_metadata(token: str) -> Tuple[Tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, token),)
 
 
-_refusals = RefusalLog(logger, what="calls")
-
-
 def _rejecting_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
     """A handler that aborts at once, whatever the method's kind.
 
@@ -61,7 +55,7 @@ def _rejecting_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
     """
 
     def reject(request_iterator, context):
-        _refusals.refused(grpc_peer_host(context.peer()), reason)
+        call_refusals.refused(grpc_peer_host(context.peer()), reason)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} rejected: the call carried {reason}")
 
     return grpc.stream_stream_rpc_method_handler(reject)
@@ -71,7 +65,7 @@ def _aio_rejecting_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
     """:func:`_rejecting_handler` for a ``grpc.aio`` server."""
 
     async def reject(request_iterator, context):
-        _refusals.refused(grpc_peer_host(context.peer()), reason)
+        call_refusals.refused(grpc_peer_host(context.peer()), reason)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} rejected: the call carried {reason}")
 
     return grpc.stream_stream_rpc_method_handler(reject)

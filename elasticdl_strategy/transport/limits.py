@@ -12,16 +12,12 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import logging
 
 import grpc
 
 from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
+from elasticdl_strategy.transport.refusals import call_refusals, grpc_peer_host
 
-logger = logging.getLogger(__name__)
-
-_refusals = RefusalLog(logger, what="calls")
 _BEHAVIOURS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
@@ -78,7 +74,7 @@ class AioAddressLimitInterceptor(grpc.aio.ServerInterceptor):
     async def _enter(self, context, method: str) -> str:
         source = grpc_peer_host(context.peer()) or "an unknown source"
         if self._open[source] >= self.limit:
-            _refusals.refused(source, "past the limit of open calls")
+            call_refusals.refused(source, "past the limit of open calls")
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {self.limit} calls from {source} are open"
             )

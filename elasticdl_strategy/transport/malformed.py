@@ -13,15 +13,11 @@ typed error) by the services themselves.
 from __future__ import annotations
 
 import functools
-import logging
 
 import grpc
 
-from elasticdl_strategy.transport.refusals import RefusalLog, grpc_peer_host
+from elasticdl_strategy.transport.refusals import call_refusals, grpc_peer_host
 
-logger = logging.getLogger(__name__)
-
-_refusals = RefusalLog(logger, what="calls")
 _MALFORMED = object()
 
 
@@ -71,5 +67,5 @@ def refuse_malformed(handler: grpc.RpcMethodHandler, aio: bool) -> grpc.RpcMetho
 
 
 def _refuse(context) -> str:
-    _refusals.refused(grpc_peer_host(context.peer()), "malformed request")
+    call_refusals.refused(grpc_peer_host(context.peer()), "malformed request")
     return "the request does not parse"

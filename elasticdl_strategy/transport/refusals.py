@@ -74,6 +74,11 @@ class RefusalLog:
             del self._logged[source]
 
 
+# Every refused call, whatever refused it (the token check, a bound, a malformed request), so that
+# a source gets one line per interval with all its kinds counted.
+call_refusals = RefusalLog(logging.getLogger(__name__), what="calls")
+
+
 def grpc_peer_host(peer: str) -> Optional[str]:
     """The IP address in a gRPC peer string; ``None`` for other kinds (``"unix:..."``).
 

@@ -168,3 +168,11 @@ def test_coordinator_rejects_calls_without_the_token_and_keeps_its_state(metadat
 def test_short_token_is_refused():
     with pytest.raises(ConfigError, match="at least 16"):
         ThreadCluster(1, token="short")
+
+
+def test_every_refuser_of_calls_counts_into_one_log_per_source():
+    # One line per source per interval with all its kinds: the token check, the bound per address
+    # and the malformed-request check share one log.
+    from elasticdl_strategy.transport import auth, limits, malformed, refusals
+
+    assert auth.call_refusals is limits.call_refusals is malformed.call_refusals is refusals.call_refusals

@@ -1,12 +1,14 @@
 """Bounds on open calls: per connection (HTTP/2 streams) and per source address (aio servers)."""
 
 import asyncio
+import logging
 import threading
 
 import grpc
 import pytest
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport import limits
 from elasticdl_strategy.transport.auth import call_metadata, new_token
 from elasticdl_strategy.transport.endpoints import (
     MAX_STREAMS_PER_CONNECTION,
@@ -17,6 +19,7 @@ from elasticdl_strategy.transport.endpoints import (
 )
 from elasticdl_strategy.transport.limits import AioAddressLimitInterceptor
 from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.refusals import RefusalLog
 
 METHOD = "/test.Held/Hold"
 TOKEN = new_token()
@@ -68,7 +71,10 @@ def _wait(condition, timeout=10.0):
     return condition()
 
 
-def test_calls_past_the_limit_of_an_address_are_refused_at_once_and_counted_until_they_end(caplog):
+def test_calls_past_the_limit_of_an_address_are_refused_at_once_and_counted_until_they_end(caplog, monkeypatch):
+    # A log of its own: the shared one may have logged this source within its interval already.
+    monkeypatch.setattr(limits, "call_refusals", RefusalLog(logging.getLogger(limits.__name__), what="calls"))
+
     async def main():
         release, inside = asyncio.Event(), [0]
 
