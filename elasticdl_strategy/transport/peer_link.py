@@ -196,9 +196,9 @@ class OutboundStream:
         broke): every unsent message and every later :meth:`submit` raise ``PeerFailureError`` at
         once, and a write blocked on the data socket is woken. Without this a send to a peer cut
         off by the network waits on the dead connection until the collective's deadline."""
+        self._fail(reason)  # first: the write woken below must fail with this reason, not its broken pipe
         if self._socket is not None:
             self._socket.shutdown()
-        self._fail(reason)
         self._call.cancel()
 
     def _raise_if_unusable(self) -> None:
@@ -407,9 +407,9 @@ class OutboundStream:
                 reason = "the peer ended the stream"
             else:
                 reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.Call) else repr(error)
+        self._fail(reason)
         if self._socket is not None:
             self._socket.shutdown()  # wakes a write blocked on a peer that is gone
-        self._fail(reason)
 
     def _fail(self, reason: Optional[str]) -> None:
         """Fails every unsent message; reports ``reason`` (once) unless the stream is closing."""
@@ -421,11 +421,12 @@ class OutboundStream:
             self._queue.clear()
             self._in_flight = None
             self._cond.notify_all()
+            cause = self._error or reason or "stream closed"  # the first reason: later ones are its symptoms
         for message in pending:
             settle(
                 message.future,
                 PeerFailureError(
-                    f"rank {self._self_rank} could not send to rank {self._peer_rank}: {reason or 'stream closed'}",
+                    f"rank {self._self_rank} could not send to rank {self._peer_rank}: {cause}",
                     peer_rank=self._peer_rank,
                     rank=self._self_rank,
                 ),

@@ -1,5 +1,6 @@
 """Point-to-point: blocking and non-blocking, matching by (sender, tag, sequence), buffers, deadlines."""
 
+import contextlib
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, PeerFailureError
 from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster, transport_options
@@ -146,7 +148,7 @@ class _StalledReceiver:
 
 
 @pytest.mark.parametrize("transport", ["data-socket", "grpc"])
-def test_sends_to_a_peer_declared_failed_fail_at_once_even_while_stuck_on_its_connection(transport):
+def test_sends_to_a_peer_declared_failed_fail_at_once_even_while_stuck_on_its_connection(transport, monkeypatch):
     # A cut between hosts shows first on one of the two connections of a pair (here: the peer's
     # stream to us broke); the send stuck on the other must fail with it, not wait for its deadline.
     token, options = new_token(), transport_options(transport, timeout_s=30)
@@ -154,6 +156,16 @@ def test_sends_to_a_peer_declared_failed_fail_at_once_even_while_stuck_on_its_co
     stalled = _StalledReceiver()
     server.set_listener(1, stalled)
     sender = PointToPoint(0, ["127.0.0.1:1", f"127.0.0.1:{server.port}"], 1, token, options)
+    shutdown = FrameSocket.shutdown
+
+    def shutdown_and_let_the_woken_write_fail_first(self):
+        # The unlucky schedule, every time: the blocked write wakes and handles its broken pipe
+        # before the failing thread goes on. The send must still fail with the peer's reason.
+        shutdown(self)
+        with contextlib.suppress(PeerFailureError, CollectiveTimeoutError):
+            request.wait(timeout=2)
+
+    monkeypatch.setattr(FrameSocket, "shutdown", shutdown_and_let_the_woken_write_fail_first)
     try:
         request = sender.isend(np.ones(16 << 20, np.float32), dst=1)  # 64 MiB: more than any buffer
         assert stalled.header_arrived.wait(10)
