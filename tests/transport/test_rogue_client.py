@@ -8,9 +8,11 @@ connection's bound of streams they are refused), health checks likewise; floods 
 data-socket ports with connections and drips bytes into others;
 and keeps sending garbage, half-open calls and connections while the job's rounds run.
 Every attempt must be refused, the job's all-reduces stay exact in membership version 1,
-Health/Check answers within 1 s throughout, and the job takes less than 1.5× its time
-without the attack (measured 1.08–1.19× on this 2-core machine, whose cores the attacker
-shares).
+Health/Check answers within 1 s throughout, and the job's rounds take less than 1.5× their time
+without the attack. The job runs its rounds in blocks, quiet and attacked in turn after a
+warm-up, and the medians of the two kinds are compared: load from elsewhere on the machine
+then slows both alike (two separate jobs, quiet then attacked, failed when other work started
+between them: 1.54×). Measured 1.08–1.19× on this 2-core machine, whose cores the attacker shares.
 """
 
 import asyncio
@@ -22,6 +24,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -31,7 +34,8 @@ from tests.launch import Job, launcher_argv, worker_script
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 1000
+BLOCKS = 7  # a warm-up, then quiet and attacked in turn: 3 of each
+ROUNDS = 400  # per block: ~1 s on 2 cores
 FORMER_POOLS = {"coordinator": 64 + 8 * 2, "worker": 1024}
 WRONG = ((TOKEN_METADATA_KEY, "x" * 64),)
 HEALTH = "/grpc.health.v1.Health/Check"
@@ -51,35 +55,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_job(tmp_path, attack=None):
-    """Runs the 2-worker job; with ``attack(coordinator, workers, ready, done)`` under way in a
-    thread before the workers start their rounds."""
+def _run_job(tmp_path, attack):
+    """Runs the 2-worker job with ``attack(coordinator, workers, ready, attacking, idle, done)``
+    under way in a thread before the workers' first block; the odd blocks are attacked."""
     port = _free_port()
-    command = [sys.executable, worker_script("rogue_target.py"), str(tmp_path), str(ROUNDS)]
+    command = [sys.executable, worker_script("rogue_target.py"), str(tmp_path), str(BLOCKS), str(ROUNDS)]
     log_path = tmp_path / "job.log"
     findings = {}
     with open(log_path, "w") as log:
         job = Job(launcher_argv(2, command, ["--port", str(port)]), output=log)
-        done = threading.Event()
-        attacker = None
+        ready, attacking, idle, done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
         try:
             workers = _wait_for_ports(tmp_path, job)
-            if attack is not None:
-                ready = threading.Event()
-                attacker = threading.Thread(
-                    target=lambda: findings.update(asyncio.run(attack(f"127.0.0.1:{port}", workers, ready, done)))
+            attacker = threading.Thread(
+                target=lambda: findings.update(
+                    asyncio.run(attack(f"127.0.0.1:{port}", workers, ready, attacking, idle, done))
                 )
-                attacker.start()
-                assert ready.wait(120), "the attack did not get under way"
-            (tmp_path / "go").touch()
-            reports = [tmp_path / f"rank{r}.json" for r in range(2)]
-            deadline = time.monotonic() + 180
-            while not all(r.exists() for r in reports) and job.proc.poll() is None:
-                assert time.monotonic() < deadline, "the job did not finish its rounds"
-                time.sleep(0.05)  # polling for the workers' reports
+            )
+            attacker.start()
+            assert ready.wait(120), "the attack did not get under way"
+            for block in range(BLOCKS):
+                if block % 2:
+                    attacking.set()
+                else:
+                    attacking.clear()
+                    assert idle.wait(30), "the attacker did not pause"
+                (tmp_path / f"go-{block}").touch()
+                _wait_for_files(job, [tmp_path / f"done-{block}-rank{r}" for r in range(2)])
+            _wait_for_files(job, [tmp_path / f"rank{r}.json" for r in range(2)])
             done.set()
-            if attacker is not None:
-                attacker.join(timeout=120)
+            attacker.join(timeout=120)
             (tmp_path / "stop").touch()
             code = job.proc.wait(timeout=60)
         finally:
@@ -89,6 +94,14 @@ def _run_job(tmp_path, attack=None):
     assert code == 0, log_path.read_text()[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     return reports, findings
+
+
+def _wait_for_files(job, files, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in files):
+        assert job.proc.poll() is None, "the job ended early"
+        assert time.monotonic() < deadline, f"the job did not write {files}"
+        time.sleep(0.01)  # polling for the workers' files
 
 
 def _wait_for_ports(tmp_path, job):
@@ -101,7 +114,7 @@ def _wait_for_ports(tmp_path, job):
     raise AssertionError("the workers did not start")
 
 
-async def _attack(coordinator, workers, ready, done):
+async def _attack(coordinator, workers, ready, attacking, idle, done):
     servers = {"coordinator": [coordinator], "worker": [f"127.0.0.1:{w['peer']}" for w in workers]}
     findings = {"codes": [], "half_open": [], "health_latency": [], "flood_open": 0, "drips_accepted": 0}
     channels = {a: grpc.aio.insecure_channel(a) for addresses in servers.values() for a in addresses}
@@ -162,7 +175,12 @@ async def _attack(coordinator, workers, ready, done):
     # The burst is answered at once (and must be: a call still open now would hold the server).
     await asyncio.wait_for(asyncio.gather(*(c.code() for _, c in opened)), 30)
     ready.set()
-    while not done.is_set():  # and it goes on while the job trains
+    while not done.is_set():  # and it goes on while the job trains, in the blocks it is asked to
+        if not attacking.is_set():
+            idle.set()
+            await asyncio.sleep(0.01)
+            continue
+        idle.clear()
         for address in channels:
             for path, request_streaming, response_streaming in _methods():
                 code = await call(address, path, request_streaming, response_streaming, WRONG, b"\x08\xff garbage")
@@ -204,11 +222,8 @@ async def _attack(coordinator, workers, ready, done):
 
 
 def test_a_client_without_the_token_cannot_touch_a_training_job(tmp_path):
-    (tmp_path / "quiet").mkdir()
-    (tmp_path / "attacked").mkdir()
-    quiet, _ = _run_job(tmp_path / "quiet")
-    attacked, findings = _run_job(tmp_path / "attacked", _attack)
-    assert all(r["exact"] and r["version"] == 1 for r in quiet + attacked), attacked
+    reports, findings = _run_job(tmp_path, _attack)
+    assert all(r["exact"] and r["version"] == 1 for r in reports), reports
     # Refused, however the client sees it: UNAUTHENTICATED, or for a request stream still being
     # written when the server ended the call, the client's own INTERNAL or CANCELLED.
     assert findings["codes"] and all(code != "OK" for *_, code in findings["codes"]), findings["codes"]
@@ -223,6 +238,7 @@ def test_a_client_without_the_token_cannot_touch_a_training_job(tmp_path):
     assert all(code in ("OK", "CANCELLED", "UNAVAILABLE") for (path, code) in half_open if path == HEALTH), half_open
     assert findings["health_latency"] and max(findings["health_latency"]) < 1.0, max(findings["health_latency"])
     assert findings["flood_open"] == 0 and findings["drips_accepted"] == 0, findings
-    slowest = lambda reports: max(r["seconds"] for r in reports)  # noqa: E731
-    print(f"job {slowest(quiet):.2f}s quiet, {slowest(attacked):.2f}s attacked")
-    assert slowest(attacked) < 1.5 * slowest(quiet), (slowest(quiet), slowest(attacked))
+    blocks = np.max([r["seconds"] for r in reports], axis=0)  # the slower rank's time of every block
+    quiet, attacked = np.median(blocks[2::2]), np.median(blocks[1::2])  # blocks[0]: the warm-up
+    print(f"blocks {np.round(blocks, 2).tolist()}: median {quiet:.2f}s quiet, {attacked:.2f}s attacked")
+    assert attacked < 1.5 * quiet, blocks.tolist()

@@ -1,9 +1,11 @@
-"""Worker of tests/transport/test_rogue_client.py: all-reduces for a while and checks every result.
+"""Worker of tests/transport/test_rogue_client.py: all-reduces in blocks and checks every result.
 
-argv: OUT_DIR ROUNDS. Writes ``{OUT_DIR}/ports-rank{r}.json`` (its peer and data-socket ports,
-for the attacker) once it joined, waits for ``{OUT_DIR}/go``, runs the rounds, then writes
-``{OUT_DIR}/rank{r}.json``: whether every result was exact, the membership version at the
-end, and how long the rounds took; it leaves once ``{OUT_DIR}/stop`` exists.
+argv: OUT_DIR BLOCKS ROUNDS. Writes ``{OUT_DIR}/ports-rank{r}.json`` (its peer and data-socket
+ports, for the attacker) once it joined; then for each block b waits for ``{OUT_DIR}/go-{b}``
+(the test sets the attack on or off between blocks), runs ROUNDS rounds and writes
+``{OUT_DIR}/done-{b}-rank{r}``; at the end it writes ``{OUT_DIR}/rank{r}.json``: whether every
+result was exact, the membership version, and how long each block took. It leaves once
+``{OUT_DIR}/stop`` exists.
 """
 
 import json
@@ -16,7 +18,7 @@ import numpy as np
 from elasticdl_strategy import collective
 from tests.workers.report import write_report
 
-out_dir, rounds = sys.argv[1], int(sys.argv[2])
+out_dir, blocks, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 collective.init()
 rank, size = collective.rank(), collective.size()
 server = collective.current_worker()._server
@@ -25,22 +27,26 @@ with open(os.path.join(out_dir, f".ports-rank{rank}.tmp"), "w") as f:
     json.dump(ports, f)
 os.replace(os.path.join(out_dir, f".ports-rank{rank}.tmp"), os.path.join(out_dir, f"ports-rank{rank}.json"))
 
-go = os.path.join(out_dir, "go")  # written by the test once its attack is under way
-deadline = time.monotonic() + 120
-while not os.path.exists(go) and time.monotonic() < deadline:
-    time.sleep(0.05)  # polling for the test's go-ahead
+
+def wait_for(name: str) -> None:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(out_dir, name)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for the test's signal
+
+
 big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: on the data socket
-exact, started = True, time.monotonic()
-for i in range(rounds):
-    total = collective.allreduce(big * (rank + 1))
-    exact &= bool(np.array_equal(total, big * (size * (size + 1) // 2)))
-    small = collective.allreduce(np.array([i, rank], np.int64))
-    exact &= bool(small[0] == i * size and small[1] == size * (size - 1) // 2)
-elapsed = time.monotonic() - started
-report = {"exact": exact, "version": collective.current_worker().membership.version, "seconds": elapsed}
+exact, seconds = True, []
+for block in range(blocks):
+    wait_for(f"go-{block}")
+    started = time.monotonic()
+    for i in range(rounds):
+        total = collective.allreduce(big * (rank + 1))
+        exact &= bool(np.array_equal(total, big * (size * (size + 1) // 2)))
+        small = collective.allreduce(np.array([i, rank], np.int64))
+        exact &= bool(small[0] == i * size and small[1] == size * (size - 1) // 2)
+    seconds.append(time.monotonic() - started)
+    open(os.path.join(out_dir, f"done-{block}-rank{rank}"), "w").close()
+report = {"exact": exact, "version": collective.current_worker().membership.version, "seconds": seconds}
 write_report(out_dir, rank, report)
-stop = os.path.join(out_dir, "stop")  # the servers stay up until the test's attack is over
-deadline = time.monotonic() + 120
-while not os.path.exists(stop) and time.monotonic() < deadline:
-    time.sleep(0.05)  # polling for the test's signal
+wait_for("stop")  # the servers stay up until the test's attack is over
 collective.shutdown()
