@@ -12,6 +12,7 @@ from elasticdl_strategy import collective
 from elasticdl_strategy.coordinator.shards import DatasetSpec
 from elasticdl_strategy.data.plan import EpochStream, next_cursor, rank_share, step_bounds
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.strategy.input_sharding import mark_per_worker
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 
@@ -134,12 +135,11 @@ class ElasticRecords:
         """A ``tf.data.Dataset`` of int64 index vectors, one per step, from the current position.
 
         Each iteration (``fit`` starts one per epoch) begins where the
-        position is at that moment and ends with its epoch. Auto-sharding is
-        off: the batches are this worker's already.
+        position is at that moment and ends with its epoch. The batches are
+        this worker's already: ``AllReduceStrategy`` distributes the dataset,
+        and what is made from it, as it is (see ``input_sharding.mark_per_worker``).
         """
         dataset = tf.data.Dataset.from_generator(
             self.batches, output_signature=tf.TensorSpec(shape=[None], dtype=tf.int64)
         )
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        return dataset.with_options(options)
+        return mark_per_worker(dataset)

@@ -8,6 +8,7 @@ other cross-replica reductions go through the gRPC ring of
 from __future__ import annotations
 
 import hashlib
+import logging
 import warnings
 from typing import Iterable, Optional
 
@@ -16,7 +17,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
-from elasticdl_strategy.strategy import bridge, checkpoints, keras_compat
+from elasticdl_strategy.strategy import bridge, checkpoints, input_sharding, keras_compat
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -29,6 +30,8 @@ from elasticdl_strategy.strategy.tf_compat import (
     reduce_util,
 )
 from elasticdl_strategy.strategy.thread_flag import ThreadFlag
+
+logger = logging.getLogger(__name__)
 
 
 class AllReduceStrategy(distribute_lib.Strategy):
@@ -302,33 +305,34 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
 
     # ---- input ----------------------------------------------------------------------------
 
-    def _shard_global_batches(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """Each worker keeps its rows of every global batch, split like ``np.array_split``.
-
-        A dataset whose options turn auto-sharding off (as :mod:`elasticdl_strategy.data`
-        datasets do) already holds this worker's batches and is left whole.
-        """
-        off = tf.data.experimental.AutoShardPolicy.OFF
-        if self._size == 1 or dataset.options().experimental_distribute.auto_shard_policy == off:
-            return dataset
-        rank, size = self._rank, self._size
-
-        def rows(x):
-            batch = tf.shape(x)[0]
-            base, extra = batch // size, batch % size
-            start = rank * base + tf.minimum(rank, extra)
-            return x[start : start + base + tf.cast(rank < extra, batch.dtype)]
-
-        return dataset.map(lambda *element: tf.nest.map_structure(rows, element if len(element) > 1 else element[0]))
-
     def _experimental_distribute_dataset(self, dataset, options):
+        """This worker's part of a dataset every worker builds alike: see :mod:`.input_sharding`."""
         options = _single_device_input_options(options)
-        return input_util.get_distributed_dataset(
-            self._shard_global_batches(dataset),
-            self._input_workers_with_options(options),
-            self._container_strategy(),
-            options=options,
-        )
+        workers, strategy = self._input_workers_with_options(options), self._container_strategy()
+        plan = input_sharding.plan(dataset, self._size)
+        logger.debug("input of rank %d: %s (%s)", self._rank, plan.sharding.value, plan.reason)
+        if plan.sharding is input_sharding.Sharding.TENSORFLOW:
+            assert plan.policy is not None
+            context = distribute_lib.InputContext(
+                num_input_pipelines=self._size, input_pipeline_id=self._rank, num_replicas_in_sync=self._size
+            )
+            # Workers may run out of their files at different steps: those that have no batch
+            # left feed empty ones until every worker is done (one int64 reduction per step).
+            self.experimental_enable_get_next_as_optional = True
+            try:
+                return input_util.get_distributed_dataset(
+                    input_sharding.with_policy(dataset, plan.policy),
+                    workers,
+                    strategy,
+                    num_replicas_in_sync=self._size,
+                    input_context=context,
+                    options=options,
+                )
+            finally:
+                self.experimental_enable_get_next_as_optional = False
+        if plan.sharding is input_sharding.Sharding.ROWS:
+            dataset = input_sharding.split_global_batches(dataset, self._rank, self._size)
+        return input_util.get_distributed_dataset(dataset, workers, strategy, options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         options = _single_device_input_options(options)

@@ -14,6 +14,9 @@
   global value. Epoch logs come from the sync-on-read metric variables.
 - numpy/pandas inputs with ``shuffle=True``: the same order of rows on every
   worker, new every epoch (Keras' unseeded shuffle drew one per worker).
+- numpy/pandas inputs: each worker gathers only its rows of every batch
+  (Keras gathers the whole global batch on every worker, and the strategy
+  then kept 1/N of it).
 - Building before ``fit``/``evaluate``: Keras takes a first batch to build
   the model and metrics, and for a distributed dataset averages it over the
   replicas, a collective whose shapes differ when the workers' shares of a
@@ -173,6 +176,12 @@ def _adapt_numpy_shuffle(strategy_class: type) -> None:
     ArrayDataAdapter.get_tf_dataset = _shuffled_alike_on_every_worker(_require(ArrayDataAdapter, "get_tf_dataset"))
 
 
+def _adapt_numpy_rows(strategy_class: type) -> None:
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    ArrayDataAdapter.get_tf_dataset = _only_this_workers_rows(_require(ArrayDataAdapter, "get_tf_dataset"))
+
+
 def _adapt_local_build(strategy_class: type) -> None:
     from keras.src.backend.tensorflow import trainer
 
@@ -268,6 +277,46 @@ def _shuffled_alike_on_every_worker(get_tf_dataset):
             return get_tf_dataset(adapter)
         finally:
             tf.random.shuffle = unseeded
+
+    return wrapper
+
+
+def _only_this_workers_rows(get_tf_dataset):
+    """numpy/pandas inputs: each worker gathers its rows of every global batch, and only those.
+
+    Keras builds a dataset of row-index batches (``batch_size`` indices each)
+    and zips it with the arrays, so that one ``tf.gather`` per batch takes the
+    rows. In a job of several workers the index batches it zips are this
+    worker's share of each (``np.array_split``, as the strategy splits any
+    global batch), so a worker gathers and converts 1/N of the rows instead of
+    all of them; the dataset is then distributed as it is (``mark_per_worker``).
+    """
+    import tensorflow as tf
+
+    from elasticdl_strategy import collective
+    from elasticdl_strategy.strategy import input_sharding
+
+    zip_ = vars(tf.data.Dataset)["zip"]  # the staticmethod, to put back as it was
+
+    @functools.wraps(get_tf_dataset)
+    def wrapper(adapter):
+        if not collective.is_initialized() or collective.size() == 1:
+            return get_tf_dataset(adapter)
+        rank, size, zipped = collective.rank(), collective.size(), []
+
+        def zip_my_rows(datasets, *args, **kwargs):
+            if isinstance(datasets, tuple) and len(datasets) == 2 and not zipped:
+                zipped.append(datasets)
+                datasets = (input_sharding.split_global_batches(datasets[0], rank, size), datasets[1])
+            return zip_.__func__(datasets, *args, **kwargs)
+
+        tf.data.Dataset.zip = staticmethod(zip_my_rows)
+        try:  # Keras zips its index batches with the arrays here, through tf.data.Dataset.zip
+            dataset = get_tf_dataset(adapter)
+        finally:
+            tf.data.Dataset.zip = zip_
+        # Without that zip (another Keras) the strategy takes this worker's rows of each batch.
+        return input_sharding.mark_per_worker(dataset) if zipped else dataset
 
     return wrapper
 
@@ -459,6 +508,7 @@ _ADAPTATIONS: List[Tuple[str, Callable[[type], None], str]] = [
         "LossScaleOptimizer judges each worker's own gradients (an overflow on one worker desynchronizes)",
     ),
     ("numpy shuffle", _adapt_numpy_shuffle, "fit(x, y, shuffle=True) on numpy arrays repeats and skips rows"),
+    ("numpy rows", _adapt_numpy_rows, "every worker gathers every row of numpy inputs and keeps 1/N of them"),
     ("file callbacks", _callbacks_write_on_rank_0, "TensorBoard, CSVLogger and BackupAndRestore write on every worker"),
     ("local build", _adapt_local_build, "building from a first batch may mismatch when shares differ"),
     ("epoch length", _adapt_epoch_length, "later epochs stop at the first epoch's length"),

@@ -41,8 +41,30 @@ from tensorflow.python.ops import control_flow_util  # noqa: E402
 from tensorflow.python.ops import resource_variable_ops  # noqa: E402
 from tensorflow.python.util import nest  # noqa: E402
 
+
+# tf.data's Python dataset objects know what they were made from, privately.
+
+
+def dataset_inputs(dataset: tf.data.Dataset) -> list:
+    """The datasets ``dataset`` was made from (a ``map``'s input, a ``zip``'s components, ...)."""
+    return list(dataset._inputs())
+
+
+def dataset_function_graphs(dataset: tf.data.Dataset) -> list:
+    """The GraphDefs (with their function libraries) of the functions a dataset applies."""
+    return [wrapper.function.graph.as_graph_def() for wrapper in dataset._functions()]
+
+
+def reader_file_names(reader: tf.data.Dataset):
+    """The file names a tf.data file reader reads: a dataset of names, or a tensor of them."""
+    return reader._filenames
+
+
 __all__ = [
     "check_version",
+    "dataset_inputs",
+    "dataset_function_graphs",
+    "reader_file_names",
     "device_util",
     "distribute_lib",
     "distribute_utils",
