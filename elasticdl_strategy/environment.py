@@ -25,9 +25,16 @@ EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 
 EDL_DATA_SOCKET            1 (default): streams not in shared memory move their
                            frames to a direct TCP data socket; 0: gRPC only
 EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)
-EDL_LOCAL_RANK             this worker process's slot on its host (default 0): with
-                           several GPUs visible, AllReduceStrategy uses GPU
-                           ``EDL_LOCAL_RANK % #GPUs`` (``strategy/devices.py``)
+EDL_LOCAL_RANK             this worker process's slot on its host, 0 .. EDL_LOCAL_SIZE-1
+                           (default 0): with several GPUs visible, AllReduceStrategy
+                           uses GPU ``EDL_LOCAL_RANK % #GPUs`` (``strategy/devices.py``);
+                           a replacement worker takes the slot of the one it replaces
+EDL_LOCAL_SIZE             worker slots on this host (default 1): ``--workers`` of the
+                           local launcher
+EDL_LOCAL_INDEX            the local launcher's count of the workers it started (0, 1, ...;
+                           replacements continue it)
+CUDA_VISIBLE_DEVICES       not EDL's, but set per worker by the local launcher's
+                           ``--gpus-per-worker G`` (slot i: GPUs ``[i*G, (i+1)*G)``)
 =========================  ===================================================
 """
 
@@ -51,6 +58,9 @@ PEER_PORT = "EDL_PEER_PORT"
 DATA_PORT = "EDL_DATA_PORT"
 TF_CONFIG = "TF_CONFIG"
 LOCAL_RANK = "EDL_LOCAL_RANK"
+LOCAL_SIZE = "EDL_LOCAL_SIZE"
+LOCAL_INDEX = "EDL_LOCAL_INDEX"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 def worker_id_from_tf_config(text: str) -> str:
