@@ -30,7 +30,7 @@ EDL_LOCAL_RANK             this worker process's slot on its host, 0 .. EDL_LOCA
                            uses GPU ``EDL_LOCAL_RANK % #GPUs`` (``strategy/devices.py``);
                            a replacement worker takes the slot of the one it replaces
 EDL_LOCAL_SIZE             worker slots on this host (default 1): ``--workers`` of the
-                           local launcher
+                           local launcher, 1 in a Kubernetes worker pod
 EDL_LOCAL_INDEX            the local launcher's count of the workers it started (0, 1, ...;
                            replacements continue it)
 CUDA_VISIBLE_DEVICES       not EDL's, but set per worker by the local launcher's
