@@ -9,10 +9,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Dependencies first, in their own layer, so code changes don't reinstall TensorFlow.
+# --build-arg EXTRAS=[gpu] adds TensorFlow's CUDA libraries, for pods with --gpu 1.
+ARG EXTRAS=""
 WORKDIR /opt/elasticdl_strategy
 COPY setup.py README.md ./
 RUN mkdir elasticdl_strategy && touch elasticdl_strategy/__init__.py \
-    && pip install . \
+    && pip install "./${EXTRAS}" \
     && pip uninstall -y elasticdl_strategy \
     && rm -rf elasticdl_strategy build ./*.egg-info
 

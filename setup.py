@@ -21,6 +21,9 @@ setup(
         "kubernetes>=37,<38",
     ],
     extras_require={
+        # TensorFlow's CUDA libraries (as pip packages), so that workers use the GPU they are given
+        # (the Dockerfile's --build-arg EXTRAS=[gpu]); the NVIDIA driver comes from the host.
+        "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
         "test": [
             "pytest>=9,<10",
             "pytest-timeout>=2.3,<3",

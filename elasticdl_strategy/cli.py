@@ -57,6 +57,14 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, help="deadline of collectives and receives in seconds (default 60)")
     p.add_argument("--rendezvous-timeout", type=float, default=120.0, help="seconds to wait for a membership")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="silence that declares a worker dead")
+    p.add_argument(
+        "--gpus-per-worker",
+        type=int,
+        default=0,
+        metavar="G",
+        help="give worker slot i the GPUs [i*G, (i+1)*G) through CUDA_VISIBLE_DEVICES, out of the launcher's "
+        "CUDA_VISIBLE_DEVICES or else nvidia-smi -L (default 0: CUDA_VISIBLE_DEVICES left as it is)",
+    )
     p.add_argument("--tls-cert", help="PEM certificate for TLS on every connection")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--tls-ca", help="PEM CA bundle: verify peers and require client certificates")
@@ -90,6 +98,7 @@ def _run(argv: List[str]) -> int:
             rendezvous_timeout_s=args.rendezvous_timeout,
             heartbeat_timeout_s=args.heartbeat_timeout,
             tls=tls,
+            gpus_per_worker=args.gpus_per_worker,
         )
     except ConfigError as e:
         parser.error(str(e))

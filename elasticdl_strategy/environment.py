@@ -25,6 +25,16 @@ EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 
 EDL_DATA_SOCKET            1 (default): streams not in shared memory move their
                            frames to a direct TCP data socket; 0: gRPC only
 EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)
+EDL_LOCAL_RANK             this worker process's slot on its host, 0 .. EDL_LOCAL_SIZE-1
+                           (default 0): with several GPUs visible, AllReduceStrategy
+                           uses GPU ``EDL_LOCAL_RANK % #GPUs`` (``strategy/devices.py``);
+                           a replacement worker takes the slot of the one it replaces
+EDL_LOCAL_SIZE             worker slots on this host (default 1): ``--workers`` of the
+                           local launcher, 1 in a Kubernetes worker pod
+EDL_LOCAL_INDEX            the local launcher's count of the workers it started (0, 1, ...;
+                           replacements continue it)
+CUDA_VISIBLE_DEVICES       not EDL's, but set per worker by the local launcher's
+                           ``--gpus-per-worker G`` (slot i: GPUs ``[i*G, (i+1)*G)``)
 =========================  ===================================================
 """
 
@@ -47,6 +57,10 @@ RENDEZVOUS_TIMEOUT = "EDL_RENDEZVOUS_TIMEOUT"
 PEER_PORT = "EDL_PEER_PORT"
 DATA_PORT = "EDL_DATA_PORT"
 TF_CONFIG = "TF_CONFIG"
+LOCAL_RANK = "EDL_LOCAL_RANK"
+LOCAL_SIZE = "EDL_LOCAL_SIZE"
+LOCAL_INDEX = "EDL_LOCAL_INDEX"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 def worker_id_from_tf_config(text: str) -> str:
@@ -78,6 +92,25 @@ def _port(env: Mapping[str, str], var: str) -> int:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{var}={port} is not a port number")
     return port
+
+
+def local_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This worker process's slot on its host (``EDL_LOCAL_RANK``; 0 when unset).
+
+    >>> local_rank({"EDL_LOCAL_RANK": "3"}), local_rank({})
+    (3, 0)
+
+    Raises:
+        ConfigError: it is not a non-negative integer.
+    """
+    text = env.get(LOCAL_RANK) or "0"
+    try:
+        rank = int(text)
+    except ValueError:
+        raise ConfigError(f"{LOCAL_RANK}={text!r} is not a non-negative integer") from None
+    if rank < 0:
+        raise ConfigError(f"{LOCAL_RANK}={rank} is not a non-negative integer")
+    return rank
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,10 @@ started again under a new worker id while restarts remain, and the job
 succeeds when the workers still in it finish. A coordinator that dies is
 started again on the same port; the workers re-register and it recovers the
 job's state from them.
+
+Every worker has a slot, 0 .. N-1 (``EDL_LOCAL_RANK``, of ``EDL_LOCAL_SIZE`` = N); a
+replacement takes the slot of the worker it replaces. ``--gpus-per-worker G`` gives
+each slot its own G GPUs (``launcher/gpus.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Deque, Dict, List, Optional, Sequence, TextIO
 
 from elasticdl_strategy import environment
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.launcher.gpus import GpuPool
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.options import TLSConfig
 
@@ -61,6 +66,10 @@ class LaunchConfig:
     failure_grace_s: float = 5.0
     max_restarts: int = 0
     tls: Optional[TLSConfig] = None
+    # GPUs per worker through CUDA_VISIBLE_DEVICES (0: left alone), from ``gpu_pool``:
+    # by default the launcher's own (its CUDA_VISIBLE_DEVICES, else nvidia-smi -L).
+    gpus_per_worker: int = 0
+    gpu_pool: Optional[GpuPool] = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -82,8 +91,19 @@ class LaunchConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ConfigError(f"--timeout={self.timeout_s} must be positive")
+        self._check_gpus()
         if self.port:
             check_port_free(self.host, self.port)
+
+    def _check_gpus(self) -> None:
+        if self.gpus_per_worker < 0:
+            raise ConfigError(f"--gpus-per-worker={self.gpus_per_worker} must not be negative")
+        if self.gpus_per_worker == 0:
+            return
+        if self.gpu_pool is None:
+            object.__setattr__(self, "gpu_pool", GpuPool.discover(os.environ))
+        assert self.gpu_pool is not None
+        self.gpu_pool.check(self.workers, self.gpus_per_worker)
 
     @property
     def elastic(self) -> bool:
@@ -110,9 +130,17 @@ class _Process:
     """A child process whose output is copied line by line with a prefix."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], env: Dict[str, str], out: TextIO, err: TextIO, lock: threading.Lock
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Dict[str, str],
+        out: TextIO,
+        err: TextIO,
+        lock: threading.Lock,
+        slot: int = -1,
     ):
         self.name = name
+        self.slot = slot  # a worker's EDL_LOCAL_RANK
         self.stderr_tail: Deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         self.popen = subprocess.Popen(
             list(argv),
@@ -226,7 +254,7 @@ class LocalLauncher:
                 self._coordinator_port = int(f.read())
         return f"{c.host}:{self._coordinator_port}"
 
-    def _worker_env(self, index: int, coordinator: str) -> Dict[str, str]:
+    def _worker_env(self, index: int, slot: int, coordinator: str) -> Dict[str, str]:
         env = self._base_env()
         env.update(
             {
@@ -234,9 +262,13 @@ class LocalLauncher:
                 environment.WORKER_ID: f"worker-{index}",
                 environment.BIND_HOST: self.config.host,
                 environment.RENDEZVOUS_TIMEOUT: str(self.config.rendezvous_timeout_s),
-                "EDL_LOCAL_INDEX": str(index),
+                environment.LOCAL_INDEX: str(index),
+                environment.LOCAL_RANK: str(slot),
+                environment.LOCAL_SIZE: str(self.config.workers),
             }
         )
+        if self.config.gpu_pool is not None and self.config.gpus_per_worker:
+            env[environment.CUDA_VISIBLE_DEVICES] = self.config.gpu_pool.for_slot(slot, self.config.gpus_per_worker)
         if self.config.timeout_s is not None:
             env["EDL_TIMEOUT"] = str(self.config.timeout_s)
         # Like torchrun's OMP_NUM_THREADS: N workers each sizing their thread pools to every core
@@ -260,8 +292,9 @@ class LocalLauncher:
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._coordinator_address = self._start_coordinator()
-            for _ in range(self.config.workers):
-                self._start_worker()
+            self._say_gpus()
+            for slot in range(self.config.workers):
+                self._start_worker(slot)
             return self._supervise()
         except ConfigError as e:
             self._say(f"error: {e}")
@@ -271,16 +304,26 @@ class LocalLauncher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _start_worker(self) -> _Process:
+    def _say_gpus(self) -> None:
+        pool, per_worker = self.config.gpu_pool, self.config.gpus_per_worker
+        if pool is None or not per_worker:
+            return
+        slots = "; ".join(f"slot {slot}: {pool.for_slot(slot, per_worker)}" for slot in range(self.config.workers))
+        unchecked = f" (unchecked: {pool.source})" if pool.gpus is None else ""
+        self._say(f"CUDA_VISIBLE_DEVICES per worker slot{unchecked}: {slots}")
+
+    def _start_worker(self, slot: int) -> _Process:
+        """Starts the next worker in ``slot`` (a replacement: the slot of the worker it replaces)."""
         index = self._next_index
         self._next_index += 1
         worker = _Process(
             f"worker {index}",
             self.config.command,
-            self._worker_env(index, self._coordinator_address),
+            self._worker_env(index, slot, self._coordinator_address),
             self._out,
             self._err,
             self._lock,
+            slot=slot,
         )
         self._workers.append(worker)
         return worker
@@ -299,7 +342,7 @@ class LocalLauncher:
                 continue
             if self._restarts < self.config.max_restarts:
                 self._restarts += 1
-                replacement = self._start_worker()
+                replacement = self._start_worker(failed.slot)
                 self._say(
                     f"{failed.name} {self._describe_exit(failed)}; started {replacement.name} in its place "
                     f"(restart {self._restarts} of {self.config.max_restarts})"

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
-from elasticdl_strategy.strategy import bridge, checkpoints, input_sharding, keras_compat
+from elasticdl_strategy.strategy import bridge, checkpoints, devices, input_sharding, keras_compat
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -54,6 +54,11 @@ class AllReduceStrategy(distribute_lib.Strategy):
     ``num_replicas_in_sync`` is the number of workers, so Keras scales losses
     for the global batch; variables created under ``scope()`` start with rank
     0's values on every worker.
+
+    Each replica runs on one GPU when TensorFlow sees one, else on the CPU
+    (``strategy.extended.worker_devices`` names it; the rule is in
+    ``strategy/devices.py``). Configure TensorFlow's GPUs (memory growth, ...)
+    before creating the strategy: it initializes TensorFlow.
 
     Args:
         timeout: deadline in seconds of each cross-worker reduction (default ``EDL_TIMEOUT``).
@@ -247,7 +252,12 @@ def _local(value):
 
 
 class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
-    """One replica per worker process, on this worker's CPU."""
+    """One replica per worker process, on its GPU or its CPU (``strategy/devices.py``).
+
+    Variables and replica compute are placed on ``self._device``; datasets are read on
+    that device's host CPU (``self._input_device``), and the ring reduces host copies
+    whose results ``bridge`` places back on ``self._device``.
+    """
 
     def __init__(
         self,
@@ -262,7 +272,7 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         self._sparse_as_dense = sparse_as_dense
         self._bucket_bytes = bucket_bytes
         self._compression = compression
-        self._device = device_util.resolve("/cpu:0")
+        self._device = devices.replica_device()
         self._input_device = device_util.get_host_for_device(self._device)
 
     # Rank and size follow the current membership: they change when an elastic job re-forms.
@@ -402,18 +412,23 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         dense = [i for i in range(len(values)) if i not in set(sparse)]
         results = [None] * len(values)
         reduced = bridge.all_reduce_tensors(
-            [tf.convert_to_tensor(values[i]) for i in dense], op, self._timeout, self._bucket_bytes, compression
+            [tf.convert_to_tensor(values[i]) for i in dense],
+            op,
+            self._timeout,
+            self._bucket_bytes,
+            compression,
+            device=self._device,
         )
         for i, tensor in zip(dense, reduced, strict=True):
             results[i] = tensor
         for i in sparse:
-            results[i] = bridge.all_reduce_indexed_slices(values[i], op, self._timeout)
+            results[i] = bridge.all_reduce_indexed_slices(values[i], op, self._timeout, device=self._device)
         return results
 
     def _gather_to_implementation(self, value, destinations, axis, options):
         if self._size == 1:
             return _local(value)
-        return bridge.all_gather_tensor(_local(value), axis, self._timeout)
+        return bridge.all_gather_tensor(_local(value), axis, self._timeout, device=self._device)
 
     def _update(self, var, fn, args, kwargs, group):
         return self._update_non_slot(var, fn, (var,) + tuple(args), kwargs, group)

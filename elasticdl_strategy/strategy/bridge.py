@@ -18,6 +18,16 @@ gradients exist and bucket k-1 is done, while backprop still computes the
 earlier layers' ones.
 Eagerly, the ring is called directly, bucket after bucket.
 
+Devices: the ring works on host memory. A replica on a GPU hands the bridge
+its device (``device=``): each ``numpy_function`` is pinned to that device's
+host CPU (it only has a CPU kernel; TensorFlow's soft placement would move it
+there anyway, but pinned it also works with soft placement off), TensorFlow
+copies its inputs device -> host, and the reduced tensors are copied back onto
+the replica's device once, here, so that the optimizer updates the GPU
+variables from device memory (TensorFlow would copy a host tensor to the GPU
+by itself wherever it is read, once per reader). On a CPU replica nothing is
+copied.
+
 A bucket is packed into a staging buffer kept between calls (keyed by the
 bucket's layout). Every tensor starts on a 64-byte boundary there, so the
 reduced tensors are handed to TensorFlow as views, without a copy; each view
@@ -36,6 +46,7 @@ ring measured neither better nor worse, so buckets are simply reduced in turn.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import weakref
@@ -48,7 +59,7 @@ import tensorflow as tf
 from elasticdl_strategy import collective
 from elasticdl_strategy.errors import CommunicationError, ConfigError
 from elasticdl_strategy.strategy import ordering
-from elasticdl_strategy.strategy.tf_compat import control_flow_util, ops
+from elasticdl_strategy.strategy.tf_compat import control_flow_util, device_util, ops
 
 # The fastest of 4, 16 and 64 MiB for the MLP of benchmarks/train_step.py on 2 cores (one bucket).
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -365,6 +376,24 @@ def _check_not_xla() -> None:
         )
 
 
+def _on(device: Optional[str]):
+    """A device scope (nothing for ``None``: ``ops.device(None)`` would clear the caller's)."""
+    return contextlib.nullcontext() if device is None else ops.device(device)
+
+
+def _host_of(device: Optional[str]) -> Optional[str]:
+    """Where a collective runs: the host CPU of the replica's device."""
+    return None if device is None else device_util.get_host_for_device(device)
+
+
+def _onto(device: Optional[str], tensors: List[tf.Tensor]) -> List[tf.Tensor]:
+    """The ring's results (in host memory) copied once onto the replica's device, if that is not the host."""
+    if device is None or device == _host_of(device):
+        return tensors
+    with ops.device(device):
+        return [tf.identity(t) for t in tensors]
+
+
 def _static_size(tensor: tf.Tensor) -> Optional[int]:
     return tensor.shape.num_elements() if tensor.shape.is_fully_defined() else None
 
@@ -375,17 +404,20 @@ def all_reduce_tensors(
     timeout: Optional[float] = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     compression: Optional[str] = None,
+    device: Optional[str] = None,
 ) -> List[tf.Tensor]:
     """All-reduces ``tensors`` (``op`` "sum" or "mean") across workers; works eagerly and in graphs.
 
     In a graph, each bucket is its own stateful ``numpy_function`` (see the module docstring).
+    ``device``: the replica's device, where the results are placed (the ring runs on its host).
     """
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
     if tf.executing_eagerly():
         arrays = allreduce_arrays([t.numpy() for t in tensors], op, timeout, bucket_bytes, compression)
-        return [tf.convert_to_tensor(a) for a in arrays]
+        with _on(device):
+            return [tf.convert_to_tensor(a) for a in arrays]
     _check_not_xla()
     sizes = [_static_size(t) for t in tensors]
     buckets = plan_buckets(sizes, [t.dtype.as_numpy_dtype for t in tensors], bucket_bytes)
@@ -404,9 +436,10 @@ def all_reduce_tensors(
 
         def collective_op(inputs=inputs, reduce=reduce) -> List[tf.Tensor]:
             dtypes = [t.dtype for t in inputs]
-            return _as_list(tf.numpy_function(reduce, inputs, dtypes, stateful=True, name="elasticdl_allreduce"))
+            with _on(_host_of(device)):
+                return _as_list(tf.numpy_function(reduce, inputs, dtypes, stateful=True, name="elasticdl_allreduce"))
 
-        outputs = ordering.ordered(collective_op)
+        outputs = _onto(device, ordering.ordered(collective_op))
         for i, output in zip(members, outputs, strict=True):
             output.set_shape(tensors[i].shape)
             results[i] = output
@@ -421,8 +454,13 @@ def _reduce_call(*arrays, plan, op, timeout, compression, uses):
     return reduce_buckets(arrays, plan, op, timeout, compression, uses)
 
 
-def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = None) -> tf.Tensor:
-    """Concatenates every worker's ``tensor`` along ``axis`` (whose size may differ per worker)."""
+def all_gather_tensor(
+    tensor: tf.Tensor, axis: int, timeout: Optional[float] = None, device: Optional[str] = None
+) -> tf.Tensor:
+    """Concatenates every worker's ``tensor`` along ``axis`` (whose size may differ per worker).
+
+    ``device``: the replica's device, where the result is placed (the ring runs on its host).
+    """
     tensor = tf.convert_to_tensor(tensor)
 
     def gather(array: np.ndarray) -> np.ndarray:
@@ -430,11 +468,19 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = N
         return np.ascontiguousarray(np.moveaxis(collective.communicator().allgather(moved, timeout=timeout), 0, axis))
 
     if tf.executing_eagerly():
-        return tf.convert_to_tensor(gather(tensor.numpy()))
+        gathered = gather(tensor.numpy())
+        with _on(device):
+            return tf.convert_to_tensor(gathered)
     _check_not_xla()
-    (output,) = ordering.ordered(
-        lambda: [tf.numpy_function(_briefly(gather), [tensor], tensor.dtype, stateful=True, name="elasticdl_allgather")]
-    )
+
+    def collective_op() -> List[tf.Tensor]:
+        with _on(_host_of(device)):
+            gathered = tf.numpy_function(
+                _briefly(gather), [tensor], tensor.dtype, stateful=True, name="elasticdl_allgather"
+            )
+        return [gathered]
+
+    (output,) = _onto(device, ordering.ordered(collective_op))
     shape = tensor.shape.as_list()
     if shape:
         shape[axis] = None
@@ -442,7 +488,9 @@ def all_gather_tensor(tensor: tf.Tensor, axis: int, timeout: Optional[float] = N
     return output
 
 
-def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str, timeout: Optional[float] = None) -> tf.IndexedSlices:
+def all_reduce_indexed_slices(
+    slices: tf.IndexedSlices, op: str, timeout: Optional[float] = None, device: Optional[str] = None
+) -> tf.IndexedSlices:
     """Reduces a sparse gradient (e.g. of an embedding) by all-gathering its rows.
 
     The result lists every worker's rows in rank order, which is the order of
@@ -453,8 +501,9 @@ def all_reduce_indexed_slices(slices: tf.IndexedSlices, op: str, timeout: Option
     (then add them up), so a sum made first trains another model than one
     process. The wire cost is the rows the batch touched, occurrences counted.
     """
-    indices = all_gather_tensor(tf.cast(slices.indices, tf.int64), axis=0, timeout=timeout)
-    values = all_gather_tensor(slices.values, axis=0, timeout=timeout)
+    indices = all_gather_tensor(tf.cast(slices.indices, tf.int64), axis=0, timeout=timeout, device=device)
+    values = all_gather_tensor(slices.values, axis=0, timeout=timeout, device=device)
     if op == "mean":
-        values = values / tf.cast(collective.size(), values.dtype)
+        with _on(device):
+            values = values / tf.cast(collective.size(), values.dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)

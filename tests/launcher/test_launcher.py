@@ -29,6 +29,8 @@ def cli(*args, timeout=30):
         (["run", "--workers", "2"], "missing command"),
         (["run", "--workers", "2", "--", "no-such-command-xyz"], "command not found"),
         (["run", "--workers", "two", "--", "true"], "invalid int value"),
+        (["run", "--workers", "2", "--gpus-per-worker", "-1", "--", "true"], "--gpus-per-worker=-1 must not be"),
+        (["run", "--workers", "2", "--gpus-per-worker", "one", "--", "true"], "invalid int value: 'one'"),
         (["frobnicate"], "unknown command"),
     ],
 )
@@ -71,6 +73,92 @@ def test_each_worker_gets_its_share_of_the_cores_unless_the_user_chose(tmp_path)
     job = run_job(2, [sys.executable, worker_script("plain.py"), "hello", str(tmp_path)], timeout=60, env=chosen)
     assert job.returncode == 0, job.stderr[-2000:]
     assert job.stdout.count("threads 7 5") == 2
+
+
+def _devices_of(stdout: str) -> dict:
+    """``{worker id: (slot, CUDA_VISIBLE_DEVICES)}`` from the lines of plain.py's ``devices`` mode."""
+    found = {}
+    for line in stdout.splitlines():
+        if "devices of " in line:
+            worker, rest = line.split("devices of ", 1)[1].split(": ", 1)
+            _, slot, _, cuda = rest.split(" ")
+            found[worker] = (slot, cuda)
+    return found
+
+
+def _fake_nvidia_smi(directory, gpus: int, fails: bool = False) -> str:
+    """A directory holding an ``nvidia-smi`` that lists ``gpus`` GPUs (or fails as without a driver)."""
+    script = directory / "nvidia-smi"
+    listing = "".join(f"GPU {i}: NVIDIA Fake (UUID: GPU-{i:04d})\\n" for i in range(gpus))
+    body = 'echo "NVIDIA-SMI has failed" >&2; exit 9' if fails else f'printf "{listing}"'
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return f"{directory}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_without_gpus_per_worker_cuda_visible_devices_is_left_alone_and_slots_are_set(tmp_path):
+    command = [sys.executable, worker_script("plain.py"), "devices", str(tmp_path)]
+    job = run_job(2, command, env={"CUDA_VISIBLE_DEVICES": "5,6"}, timeout=60)
+    assert job.returncode == 0, job.stderr
+    assert _devices_of(job.stdout) == {"worker-0": ("0/2", "5,6"), "worker-1": ("1/2", "5,6")}
+    assert "CUDA_VISIBLE_DEVICES per worker slot" not in job.stderr
+
+
+def test_each_slot_gets_its_gpus_standbys_theirs_and_a_replacement_those_of_the_worker_it_replaces(tmp_path):
+    # 3 slots of 2 GPUs out of the launcher's CUDA_VISIBLE_DEVICES; slot 2 is a standby (--max-workers 2).
+    # worker-1 exits 3: worker-3 replaces it in slot 1, on the GPUs worker-1 had.
+    command = [sys.executable, worker_script("plain.py"), "devices", str(tmp_path), "1"]
+    flags = ["--gpus-per-worker", "2", "--max-workers", "2", "--max-restarts", "1"]
+    job = run_job(3, command, extra=flags, env={"CUDA_VISIBLE_DEVICES": "2,3,4,5,6,7,8"}, timeout=60)
+    assert job.returncode == 0, job.stderr
+    assert _devices_of(job.stdout) == {
+        "worker-0": ("0/3", "2,3"),
+        "worker-1": ("1/3", "4,5"),
+        "worker-2": ("2/3", "6,7"),
+        "worker-3": ("1/3", "4,5"),
+    }
+    assert "worker 1 exited with code 3; started worker 3 in its place" in job.stderr
+    assert "CUDA_VISIBLE_DEVICES per worker slot: slot 0: 2,3; slot 1: 4,5; slot 2: 6,7" in job.stderr
+
+
+def test_without_cuda_visible_devices_the_gpus_are_those_nvidia_smi_lists(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", _fake_nvidia_smi(tmp_path, gpus=2))
+    command = [sys.executable, worker_script("plain.py"), "devices", str(tmp_path)]
+    job = run_job(2, command, extra=["--gpus-per-worker", "1"], timeout=60)
+    assert job.returncode == 0, job.stderr
+    assert _devices_of(job.stdout) == {"worker-0": ("0/2", "0"), "worker-1": ("1/2", "1")}
+
+
+@pytest.mark.parametrize(
+    "cuda_visible_devices, gpus, message",
+    [
+        (None, 2, "needs 3 GPUs for 3 workers, but this machine has 2 (nvidia-smi -L)"),
+        ("0,1", 8, "needs 3 GPUs for 3 workers, but this machine has 2 (CUDA_VISIBLE_DEVICES='0,1')"),
+        ("", 8, "needs 3 GPUs for 3 workers, but this machine has 0 (CUDA_VISIBLE_DEVICES='')"),
+    ],
+)
+def test_too_few_gpus_is_a_one_line_error_before_anything_starts(tmp_path, cuda_visible_devices, gpus, message):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PATH=_fake_nvidia_smi(tmp_path, gpus), PYTHONPATH=REPO_ROOT)
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    argv = [sys.executable, "-m", "elasticdl_strategy", "run", "--workers", "3", "--gpus-per-worker", "1", "--", "true"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--gpus-per-worker=1 {message}" in lines[0], result.stderr
+    assert "[coordinator]" not in result.stdout + result.stderr
+
+
+def test_when_the_gpus_cannot_be_counted_indices_are_handed_out_and_it_says_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", _fake_nvidia_smi(tmp_path, gpus=0, fails=True))
+    command = [sys.executable, worker_script("plain.py"), "devices", str(tmp_path)]
+    job = run_job(2, command, extra=["--gpus-per-worker", "1"], timeout=60)
+    assert job.returncode == 0, job.stderr
+    assert _devices_of(job.stdout) == {"worker-0": ("0/2", "0"), "worker-1": ("1/2", "1")}
+    assert "per worker slot (unchecked: CUDA_VISIBLE_DEVICES unset and no answer from nvidia-smi -L)" in job.stderr
 
 
 def test_workers_join_through_collective_init(tmp_path):

@@ -12,6 +12,14 @@ if mode == "hello":
     print(f"hello from {os.environ['EDL_WORKER_ID']}", flush=True)
     print(f"threads {os.environ.get('TF_NUM_INTRAOP_THREADS')} {os.environ.get('OMP_NUM_THREADS')}", flush=True)
     assert os.environ["EDL_JOB_TOKEN"] and os.environ["EDL_COORDINATOR_ADDR"]
+elif mode == "devices":  # what the launcher gave this worker; argv[3], if given: the launch index that fails
+    env = os.environ
+    slot = f"{env['EDL_LOCAL_RANK']}/{env['EDL_LOCAL_SIZE']}"
+    print(
+        f"devices of {env['EDL_WORKER_ID']}: slot {slot} cuda {env.get('CUDA_VISIBLE_DEVICES', '<unset>')}", flush=True
+    )
+    if sys.argv[3:] == [str(index)]:
+        sys.exit(3)
 elif mode == "fail-one":
     if index == 1:
         print("something went wrong: boom", file=sys.stderr, flush=True)

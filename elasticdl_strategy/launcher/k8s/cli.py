@@ -39,7 +39,7 @@ def _job_parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--namespace", "-n", default="default")
     p.add_argument("--cpu", default="1", help="CPU request and limit per worker (default 1)")
     p.add_argument("--memory", default="2Gi", help="memory request and limit per worker (default 2Gi)")
-    p.add_argument("--gpu", type=int, default=0, help="nvidia.com/gpu per worker (default 0)")
+    p.add_argument("--gpu", type=int, default=0, help="nvidia.com/gpu per worker pod: 0 (default) or 1")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment of the workers")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches of failed workers (default 3)")
     p.add_argument("--priority-class", help="PriorityClass of the pods")

@@ -64,7 +64,7 @@ class K8sJobConfig:
     namespace: str = "default"
     cpu: str = "1"
     memory: str = "2Gi"
-    gpu: int = 0
+    gpu: int = 0  # nvidia.com/gpu of each worker pod: 0 or 1 (its one worker process uses one GPU)
     env: Tuple[Tuple[str, str], ...] = ()
     max_restarts: int = 3
     priority_class: Optional[str] = None
@@ -102,6 +102,11 @@ class K8sJobConfig:
             raise ConfigError(f"--max-restarts={self.max_restarts} must not be negative")
         if self.gpu < 0:
             raise ConfigError(f"--gpu={self.gpu} must not be negative")
+        if self.gpu > 1:
+            raise ConfigError(
+                f"--gpu={self.gpu}: each worker pod runs one worker process, which uses one GPU: run {self.gpu} "
+                f"times the workers with --gpu 1 instead (e.g. --workers {self.workers * self.gpu} --gpu 1)"
+            )
         for flag, value in (("--cpu", self.cpu), ("--memory", self.memory)):
             _check_quantity(flag, value)
         if self.priority_class is not None and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", self.priority_class):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Dict, List, Optional
 
+from elasticdl_strategy import environment
 from elasticdl_strategy.launcher.k8s.job_config import COORDINATOR_PORT, DATA_PORT, WORKER_PORT, K8sJobConfig
 
 Manifest = Dict[str, Any]
@@ -202,6 +203,10 @@ def worker_pod(
         {"name": "EDL_PEER_PORT", "value": str(WORKER_PORT)},
         {"name": "EDL_DATA_PORT", "value": str(DATA_PORT)},
         {"name": "EDL_RENDEZVOUS_TIMEOUT", "value": f"{config.rendezvous_timeout_s:g}"},
+        # One worker process per pod: with --gpu 1 it uses the pod's one GPU, which the device
+        # plugin already isolates (the container sees only it), so nothing else is set for it.
+        {"name": environment.LOCAL_RANK, "value": "0"},
+        {"name": environment.LOCAL_SIZE, "value": "1"},
         *({"name": key, "value": value} for key, value in config.env),
     ]
     container = {

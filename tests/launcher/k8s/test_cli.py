@@ -37,6 +37,8 @@ def k8s(*args, env=None):
         ([*GOOD, "--cpu", "lots"], "--cpu='lots'"),
         ([*GOOD, "--memory=-1Gi"], "--memory='-1Gi'"),
         ([*GOOD, "--gpu", "-1"], "--gpu=-1"),
+        ([*GOOD, "--gpu", "2"], "--gpu=2: each worker pod runs one worker process, which uses one GPU"),
+        ([*GOOD, "--gpu", "one"], "invalid int value: 'one'"),
         ([*GOOD, "--env", "NOEQUALS"], "--env 'NOEQUALS'"),
         ([*GOOD, "--env", "EDL_JOB_TOKEN=x"], "EDL_ variables are set by the job"),
         ([*GOOD, "--namespace", "Not_A_Namespace"], "--namespace='Not_A_Namespace'"),

@@ -114,6 +114,30 @@ def test_worker_pods_are_labelled_owned_probed_and_sized():
     assert container["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
 
 
+def test_a_worker_pod_with_a_gpu_gives_it_to_its_one_worker_process():
+    pod = manifests.worker_pod(FULL, 0, "10.1.2.3:50051")
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "nvidia.com/gpu" not in container["resources"]["requests"]  # extended resources: the limit is the request
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (env["EDL_LOCAL_RANK"], env["EDL_LOCAL_SIZE"]) == ("0", "1")
+    # The device plugin isolates the pod's GPU: nothing narrows the GPUs the worker sees.
+    assert "CUDA_VISIBLE_DEVICES" not in env and "NVIDIA_VISIBLE_DEVICES" not in env
+    assert "--gpu" in FULL.job_flags() and FULL.job_flags()[FULL.job_flags().index("--gpu") + 1] == "1"
+
+    plain = manifests.worker_pod(MINIMAL, 0, "10.1.2.3:50051")["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in plain["resources"]["limits"]
+
+
+def test_more_than_one_gpu_per_worker_pod_is_refused_with_what_to_do_instead():
+    with pytest.raises(ConfigError) as refused:
+        dataclasses.replace(FULL, gpu=4)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("--gpu=4: each worker pod runs one worker process, which uses one GPU")
+    assert "(e.g. --workers 12 --gpu 1)" in message
+
+
 def test_workers_share_a_node_directory_for_shared_memory_only_when_asked():
     pod = manifests.worker_pod(FULL, 0, "10.1.2.3:50051")
     container, spec = pod["spec"]["containers"][0], pod["spec"]
