@@ -576,7 +576,7 @@ class Coordinator:
         """
         s = request.spec
         try:
-            spec = DatasetSpec(s.num_records, s.shard_size, s.seed, s.shuffle)
+            spec = DatasetSpec(s.num_records, s.shard_size, s.seed, s.shuffle, s.fingerprint)
             starts, ends = self.shards.get(spec, request.epoch)
         except ConfigError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

@@ -26,6 +26,7 @@ class DatasetSpec:
     shard_size: int
     seed: int = 0
     shuffle: bool = True
+    fingerprint: str = ""  # what the records are, so that workers reading different data are refused
 
     def __post_init__(self) -> None:
         if self.num_records < 1:

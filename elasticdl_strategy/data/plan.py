@@ -17,7 +17,7 @@ batch unless the epoch has fewer records left than there are workers.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence, Tuple, Union
+from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -73,11 +73,21 @@ class EpochStream:
         """Record indices of stream positions ``[lo, hi)``."""
         if hi <= lo:
             return np.zeros(0, np.int64)
+        return np.concatenate([np.arange(start, start + count, dtype=np.int64) for start, count in self.runs(lo, hi)])
+
+    def runs(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """Stream positions ``[lo, hi)`` as runs of consecutive record indices ``(first, count)``, in order.
+
+        >>> EpochStream([10, 0], [15, 5]).runs(3, 7)
+        [(13, 2), (0, 2)]
+        """
+        if hi <= lo:
+            return []
         first = int(np.searchsorted(self.offsets, lo, side="right")) - 1
         last = int(np.searchsorted(self.offsets, hi, side="left"))
-        pieces = []
+        runs = []
         for shard in range(first, last):
             a = max(lo, int(self.offsets[shard])) - int(self.offsets[shard])
             b = min(hi, int(self.offsets[shard + 1])) - int(self.offsets[shard])
-            pieces.append(np.arange(self.starts[shard] + a, self.starts[shard] + b, dtype=np.int64))
-        return np.concatenate(pieces)
+            runs.append((int(self.starts[shard]) + a, b - a))
+        return runs

@@ -116,7 +116,11 @@ class ElasticRecords:
             else:
                 s = self.spec
                 proto = coordinator_pb2.DatasetSpec(
-                    num_records=s.num_records, shard_size=s.shard_size, seed=s.seed, shuffle=s.shuffle
+                    num_records=s.num_records,
+                    shard_size=s.shard_size,
+                    seed=s.seed,
+                    shuffle=s.shuffle,
+                    fingerprint=s.fingerprint,
                 )
                 starts, ends = worker.client.get_shards(proto, epoch)
             self._streams = {e: v for e, v in self._streams.items() if e >= epoch - 1}

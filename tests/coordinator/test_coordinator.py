@@ -356,6 +356,9 @@ def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
     different = pb.DatasetSpec(num_records=99, shard_size=10, seed=1, shuffle=True)
     with pytest.raises(grpc.RpcError, match="differs from the job's"):
         c.GetShards(pb.GetShardsRequest(worker_id="c", spec=different, epoch=0))
+    other_files = pb.DatasetSpec(num_records=100, shard_size=10, seed=1, shuffle=True, fingerprint="2 files: ab")
+    with pytest.raises(grpc.RpcError, match="fingerprint='2 files: ab'.* differs from the job's"):
+        c.GetShards(pb.GetShardsRequest(worker_id="c", spec=other_files, epoch=0))
 
 
 def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report():

@@ -1,15 +1,16 @@
 """A randomized failure campaign: elastic Keras jobs as users write them, hit by seeded faults.
 
-Each trial runs ``tests/workers/elastic_campaign.py`` on 3 workers (``--min-workers 2
---max-restarts 2 --heartbeat-timeout 3``) and injects one kind of fault, in rotation: SIGKILL
-before a step or between a step and its commit, two SIGKILLs in a row, SIGTERM, and SIGSTOP
-past the heartbeat timeout followed by SIGCONT; in ``model.fit`` (first five trials) or a
-custom loop (next five). The batch size, commit interval, faulted ranks and steps are drawn
-from the trial's seed. Replacements (kills) and the stopped worker (after SIGCONT) join again
-before the last epoch. After every epoch every record's tally equals the epoch number; at the
-end every member holds bitwise-identical weights and optimizer state, its learning rate is the
-one its reset callback sets for the final number of workers, and each member ran the callbacks
-once per membership.
+Each trial runs ``tests/workers/elastic_campaign.py`` on 3 workers (``--min-workers 2 --max-
+restarts 2 --heartbeat-timeout 3``) and injects one kind of fault, in rotation: SIGKILL before a
+step or between a step and its commit, two SIGKILLs in a row, SIGTERM, and SIGSTOP past the
+heartbeat timeout followed by SIGCONT; in ``model.fit`` (first five trials) or a custom loop (next
+five); reading in-memory arrays by index (``ElasticRecords``, even trials) or TFRecord files of
+uneven sizes (``ElasticFiles``, odd trials: every kind meets both). The batch size, commit
+interval, faulted ranks and steps are drawn from the trial's seed. Replacements (kills) and the
+stopped worker (after SIGCONT) join again before the last epoch. After every epoch every record's
+tally equals the epoch number; at the end every member holds bitwise-identical weights and
+optimizer state, its learning rate is the one its reset callback sets for the final number of
+workers, and each member ran the callbacks once per membership.
 
 Seeds: ``EDL_CAMPAIGN_SEED`` (printed; by default from the clock), trial ``i`` uses seed + i.
 Run 50 trials::
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.slow
 WORKERS, RECORDS, EPOCHS = 3, 72, 3
 KINDS = ("kill_before", "kill_after", "double_kill", "term", "stop")
 MODES = ("fit", "loop")
+SOURCES = ("records", "files")  # in-memory arrays by index (ElasticRecords), or TFRecord files (ElasticFiles)
+FILE_RECORDS = [15, 9, 0, 20, 28]  # uneven, one empty: 72 records in all
 TRIALS = int(os.environ.get("EDL_CAMPAIGN_TRIALS", len(KINDS) * len(MODES)))
 SEED = int(os.environ.get("EDL_CAMPAIGN_SEED", time.time_ns() % 100000))
 BASE_LR = 0.01  # as in the worker
@@ -43,6 +46,7 @@ def plan(trial: int) -> dict:
     """The trial's configuration: its fault kind and mode rotate, the rest comes from its seed."""
     rnd = random.Random(SEED + trial)
     kind, mode = KINDS[trial % len(KINDS)], MODES[(trial // len(KINDS)) % len(MODES)]
+    source = SOURCES[trial % len(SOURCES)]  # with 5 kinds, every kind meets both sources
     batch = rnd.choice([2, 3, 4])
     first_epoch_steps = -(-RECORDS // (WORKERS * batch))
     step = rnd.randint(1, first_epoch_steps - 1)
@@ -62,9 +66,29 @@ def plan(trial: int) -> dict:
         "batch": batch,
         "commit_every": rnd.choice([1, 2, 3, 5]),
         "mode": mode,
+        "source": source,
         "faults": faults,
         "final_size": WORKERS - 1 if kind == "term" else WORKERS,
     }
+
+
+def _write_files(directory) -> list:
+    """The campaign's records as TFRecord files: record i holds i, its features and its label."""
+    import tensorflow as tf
+
+    from tests.workers.campaign_data import dataset_arrays, serialize
+
+    directory.mkdir()
+    features, labels = dataset_arrays(RECORDS)
+    names, record = [], 0
+    for index, count in enumerate(FILE_RECORDS):
+        names.append(str(directory / f"part-{index}.tfrecord"))
+        with tf.io.TFRecordWriter(names[-1]) as writer:
+            for i in range(record, record + count):
+                writer.write(serialize(i, features[i], labels[i]))
+        record += count
+    assert record == RECORDS
+    return names
 
 
 def _read_json(path):
@@ -93,6 +117,8 @@ def _continue_after_eviction(tmp_path, job, deadline):
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_random_failures_keep_exactly_once_and_identical_replicas(tmp_path, trial):
     config = plan(trial)
+    if config["source"] == "files":
+        config["files"] = _write_files(tmp_path / "data")
     print(f"EDL_CAMPAIGN_SEED={SEED} trial {trial}: {json.dumps(config)}")
     command = [sys.executable, worker_script("elastic_campaign.py"), str(tmp_path), json.dumps(config)]
     flags = ["--min-workers", "2", "--max-restarts", "2", "--heartbeat-timeout", "3", "--rendezvous-timeout", "60"]

@@ -201,9 +201,27 @@ def test_sigstopped_worker_is_evicted_and_the_job_continues(tmp_path):
     assert "the job finished without this worker; exiting" in out + err
 
 
-def test_all_workers_killed_then_the_job_resumes_from_the_checkpoint(tmp_path):
+def write_id_files(directory, records):
+    """TFRecord files of uneven sizes whose records are their ids 0 .. records-1, as text."""
+    import tensorflow as tf
+
+    directory.mkdir()
+    bounds = [0, records // 7, records // 7, records // 2, records * 3 // 5, records]  # one file empty
+    names = []
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        names.append(str(directory / f"part-{index}.tfrecord"))
+        with tf.io.TFRecordWriter(names[-1]) as writer:
+            for record in range(start, end):
+                writer.write(str(record).encode())
+    return names
+
+
+@pytest.mark.parametrize("source", ["records", "files"])
+def test_all_workers_killed_then_the_job_resumes_from_the_checkpoint(tmp_path, source):
     checkpoints = tmp_path / "ckpt"
     config = {"checkpoint_dir": str(checkpoints), "checkpoint_every": 3}
+    if source == "files":
+        config["files"] = write_id_files(tmp_path / "data", RECORDS)
     code, out, err = finish(launch(tmp_path, 2, {**config, "kill_all_at": random_step(20, 50)}))
     assert code != 0 and not reports(tmp_path)
     assert (checkpoints / "latest").exists()
@@ -216,7 +234,9 @@ def test_all_workers_killed_then_the_job_resumes_from_the_checkpoint(tmp_path):
 
 
 def test_coordinator_killed_and_restarted(tmp_path):
-    job = launch(tmp_path, 2, {"records": 960}, ["--min-workers", "1"])
+    # Reading TFRecord files: the restarted coordinator must accept their fingerprint again.
+    config = {"records": 960, "files": write_id_files(tmp_path / "data", 960)}
+    job = launch(tmp_path, 2, config, ["--min-workers", "1"])
     try:
         progress = tmp_path / "progress"
         deadline = time.monotonic() + 90

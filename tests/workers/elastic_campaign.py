@@ -29,16 +29,16 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, collective, data, elastic
+from tests.workers.campaign_data import dataset_arrays, parse
 from tests.workers.report import write_named_report
 
 BASE_LR = 0.01
 
+
 out_dir, config = sys.argv[1], json.loads(sys.argv[2])
 worker_id = os.environ["EDL_WORKER_ID"]
 num_records, epochs, commit_every = config["records"], config["epochs"], config["commit_every"]
-rng = np.random.default_rng(7)
-features = tf.constant(rng.standard_normal((num_records, 4)))
-labels = tf.constant(rng.integers(0, 3, num_records))
+features, labels = (tf.constant(a) for a in dataset_arrays(num_records))
 
 
 class Tallied(keras.Model):
@@ -73,7 +73,10 @@ with strategy.scope():
     model = Tallied()
     model(tf.zeros((1, 4), tf.float64))  # builds the head (its variables)
     model.compile(optimizer=keras.optimizers.Adam(BASE_LR), jit_compile=False)
-records = data.ElasticRecords(num_records, batch_size=config["batch"], seed=5)
+if config["source"] == "files":
+    records = data.ElasticFiles(config["files"], batch_size=config["batch"], shard_size=10, seed=5)
+else:
+    records = data.ElasticRecords(num_records, batch_size=config["batch"], seed=5)
 state = elastic.KerasState(model, records=records, steps=0)
 resets = []  # (membership version, workers, learning rate set) per reset-callback run
 epoch_checks = {}
@@ -139,6 +142,8 @@ def check_epoch():
 
 
 def dataset():
+    if config["source"] == "files":
+        return records.dataset(parse)
     return records.dataset().map(lambda i: ((tf.gather(features, i), i), tf.gather(labels, i)))
 
 

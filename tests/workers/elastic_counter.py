@@ -8,7 +8,8 @@ argv: OUT_DIR CONFIG_JSON with keys records, batch, epochs, commit_every and
 optional: kill {worker_id: step} (SIGKILL itself before that step), stop
 {worker_id: step} (SIGSTOP itself), term {worker_id: step} (SIGTERM itself), kill_in_sync {worker_id: n} (SIGKILL itself
 at the start of its n-th sync), kill_all_at (every worker dies at that step),
-checkpoint_dir, keras (train with model.fit instead of a custom loop), hold
+checkpoint_dir, keras (train with model.fit instead of a custom loop), files (TFRecord files whose
+records are their ids: read with ElasticFiles instead of ElasticRecords), hold
 {at_step, size, version} (at that step, commit until the job has that many
 workers, in a membership of at least that version), exit {worker: step} (exit 1).
 """
@@ -34,7 +35,19 @@ strategy = AllReduceStrategy(timeout=config.get("timeout", 20))
 with strategy.scope():
     counts = tf.Variable(tf.zeros([num_records], tf.float32), name="counts")
     seen = tf.Variable(tf.zeros([4], tf.float64), name="seen")
-records = data.ElasticRecords(num_records, batch_size=config["batch"], seed=3)
+if config.get("files"):  # TFRecord files whose records are their ids, as text
+    records = data.ElasticFiles(config["files"], batch_size=config["batch"], shard_size=25, seed=3)
+else:
+    records = data.ElasticRecords(num_records, batch_size=config["batch"], seed=3)
+
+
+def dataset():
+    """Batches of record ids, one per step, from the position."""
+    if config.get("files"):
+        return records.dataset(lambda record: tf.strings.to_number(record, tf.int64))
+    return records.dataset()
+
+
 epoch_checks = {}
 syncs = {"n": 0}
 
@@ -128,7 +141,7 @@ def replica_step(indices):
 def train(state):
     step = tf.function(lambda indices: strategy.run(replica_step, (indices,)))
     while records.epoch < epochs:
-        for indices in records.dataset():
+        for indices in dataset():
             before_step()
             step(indices)
             state.steps += 1
@@ -170,7 +183,7 @@ def train_keras():
     @elastic.run
     def fit(s):
         model.fit(
-            records.dataset(),
+            dataset(),
             epochs=epochs,
             initial_epoch=records.epoch,
             verbose=0,

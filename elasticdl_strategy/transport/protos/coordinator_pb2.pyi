@@ -115,16 +115,18 @@ class FailureReportResponse(_message.Message):
     def __init__(self, membership_version: _Optional[int] = ...) -> None: ...
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("num_records", "shard_size", "seed", "shuffle")
+    __slots__ = ("num_records", "shard_size", "seed", "shuffle", "fingerprint")
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     num_records: int
     shard_size: int
     seed: int
     shuffle: bool
-    def __init__(self, num_records: _Optional[int] = ..., shard_size: _Optional[int] = ..., seed: _Optional[int] = ..., shuffle: _Optional[bool] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, num_records: _Optional[int] = ..., shard_size: _Optional[int] = ..., seed: _Optional[int] = ..., shuffle: _Optional[bool] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class GetShardsRequest(_message.Message):
     __slots__ = ("worker_id", "spec", "epoch")
