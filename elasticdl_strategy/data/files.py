@@ -59,7 +59,8 @@ class ElasticFiles(ElasticRecords):
 
     Args:
         files: TFRecord or text files, in a fixed order (the same on every worker).
-        batch_size: records per worker per step.
+        batch_size: records per worker per step; or ``global_batch_size``: records per
+            step whatever the number of workers (see ``ElasticRecords``).
         format: ``"tfrecord"`` or ``"text"`` (one record per line: CSV, JSON lines, ...).
         compression_type: ``""``, ``"GZIP"`` or ``"ZLIB"``, as TensorFlow's readers take it.
         header_lines: lines to leave out at the top of every text file (a CSV header).
@@ -89,8 +90,9 @@ class ElasticFiles(ElasticRecords):
     def __init__(
         self,
         files: Sequence[str],
-        batch_size: int,
+        batch_size: Optional[int] = None,
         *,
+        global_batch_size: Optional[int] = None,
         format: str = "tfrecord",
         compression_type: str = "",
         header_lines: int = 0,
@@ -117,7 +119,8 @@ class ElasticFiles(ElasticRecords):
         total = sum(self.record_counts)
         if total == 0:
             raise ConfigError(f"the {len(self.files)} files hold no records")
-        super().__init__(total, batch_size, shard_size or max(self.record_counts), seed, shuffle)
+        shard_size = shard_size or max(self.record_counts)
+        super().__init__(total, batch_size, shard_size, seed, shuffle, global_batch_size=global_batch_size)
         self.spec = dataclasses.replace(self.spec, fingerprint=_fingerprint(self.files, self.record_counts))
         self._first_record = np.concatenate([[0], np.cumsum(self.record_counts)]).astype(np.int64)
 
@@ -166,7 +169,7 @@ class ElasticFiles(ElasticRecords):
         rank = collective.rank() if rank is None else rank
         size = collective.size() if size is None else size
         cursor = self.position.cursor
-        steps = list(step_bounds(cursor, self.num_records, size, self.batch_size))
+        steps = list(step_bounds(cursor, self.num_records, size, self.policy))
         mine = np.zeros(self.num_records - cursor, bool)
         sizes = []
         for start, end in steps:

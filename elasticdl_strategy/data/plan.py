@@ -2,46 +2,90 @@
 
 The records of an epoch form one stream: the epoch's shards (index ranges,
 in the order the coordinator hands out) one after the other. A position is a
-*cursor* into that stream. From a cursor, with ``n`` workers and
-``batch_size`` records per worker, every step takes the next ``n *
-batch_size`` records and rank ``r`` takes the ``r``-th contiguous share of them
-(split like ``np.array_split``). So each step consumes a contiguous run of
-the stream, the records consumed so far are always exactly the first
+*cursor* into that stream. From a cursor every step takes the next run of
+records — ``workers × batch_size`` of them, or a fixed ``global_batch`` (see
+:class:`BatchPolicy`) — and rank ``r`` takes the ``r``-th contiguous share of
+them (split like ``np.array_split``). So each step consumes a contiguous run
+of the stream, the records consumed so far are always exactly the first
 ``cursor`` ones, and a position is one number that every rank agrees on.
 
-The last step of an epoch takes what is left. When that would leave fewer
-records than workers for a final step, they are folded into the step before
-(some workers then take ``batch_size + 1``), so that no worker gets an empty
-batch unless the epoch has fewer records left than there are workers.
+The last step of an epoch takes what is left. With a batch per worker, when
+that would leave fewer records than workers for a final step, they are folded
+into the step before (some workers then take ``batch_size + 1``), so that no
+worker gets an empty batch unless the epoch has fewer records left than
+there are workers. With a fixed global batch nothing is folded: every step
+but the last is ``global_batch`` records whatever the number of workers.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence, Tuple, Union
+import dataclasses
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from elasticdl_strategy.errors import ConfigError
 
-def step_bounds(cursor: int, num_records: int, workers: int, batch_size: int) -> Iterator[Tuple[int, int]]:
+
+@dataclasses.dataclass(frozen=True)
+class BatchPolicy:
+    """How many records one step of the job takes.
+
+    ``per_worker``: ``workers × per_worker`` (the global batch follows the number
+    of workers, as in Horovod, ElasticDL and torchrun). ``global_batch``: that
+    many whatever the number of workers, each taking its share (``global_batch /
+    workers``, the shares differing by at most one), so that a job that loses and
+    gains workers trains the same steps on the same records as one that does not.
+
+    >>> BatchPolicy(per_worker=4).step_records(workers=3), BatchPolicy(global_batch=12).step_records(workers=3)
+    (12, 12)
+    >>> BatchPolicy(per_worker=4).step_records(workers=2), BatchPolicy(global_batch=12).step_records(workers=2)
+    (8, 12)
+    """
+
+    per_worker: Optional[int] = None
+    global_batch: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if (self.per_worker is None) == (self.global_batch is None):
+            raise ConfigError("give either a batch size per worker or a global batch size, not both or neither")
+        for name in ("per_worker", "global_batch"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{'batch_size' if name == 'per_worker' else 'global_batch_size'}={value!r} "
+                                  "must be a positive integer")  # fmt: skip
+
+    def step_records(self, workers: int) -> int:
+        return self.global_batch if self.global_batch is not None else workers * self.per_worker  # type: ignore[operator]
+
+    @property
+    def folds_the_rest(self) -> bool:
+        """Whether a final step of fewer records than workers is folded into the step before."""
+        return self.per_worker is not None
+
+
+def step_bounds(cursor: int, num_records: int, workers: int, policy: BatchPolicy) -> Iterator[Tuple[int, int]]:
     """Yields ``(start, end)`` stream positions of the steps from ``cursor`` to the end of the epoch.
 
-    Example::
-
-        list(step_bounds(0, 10, workers=2, batch_size=2))   # [(0, 4), (4, 8), (8, 10)]
-        list(step_bounds(0, 9, workers=2, batch_size=2))    # [(0, 4), (4, 9)]: the 1 left is folded in
+    >>> list(step_bounds(0, 10, workers=2, policy=BatchPolicy(per_worker=2)))
+    [(0, 4), (4, 8), (8, 10)]
+    >>> list(step_bounds(0, 9, workers=2, policy=BatchPolicy(per_worker=2)))  # the 1 left is folded in
+    [(0, 4), (4, 9)]
+    >>> list(step_bounds(0, 9, workers=2, policy=BatchPolicy(global_batch=4)))  # nothing folded
+    [(0, 4), (4, 8), (8, 9)]
     """
-    step = workers * batch_size
+    step = policy.step_records(workers)
     while cursor < num_records:
         end = min(cursor + step, num_records)
-        if 0 < num_records - end < workers:
+        if policy.folds_the_rest and 0 < num_records - end < workers:
             end = num_records
         yield cursor, end
         cursor = end
 
 
-def next_cursor(cursor: int, num_records: int, workers: int, batch_size: int) -> int:
+def next_cursor(cursor: int, num_records: int, workers: int, policy: BatchPolicy) -> int:
     """The cursor after one step taken at ``cursor``."""
-    return next(step_bounds(cursor, num_records, workers, batch_size), (cursor, cursor))[1]
+    return next(step_bounds(cursor, num_records, workers, policy), (cursor, cursor))[1]
 
 
 def rank_share(start: int, end: int, rank: int, workers: int) -> Tuple[int, int]:

@@ -10,8 +10,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.coordinator.shards import DatasetSpec
-from elasticdl_strategy.data.plan import EpochStream, next_cursor, rank_share, step_bounds
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.data.plan import BatchPolicy, EpochStream, next_cursor, rank_share, step_bounds
 from elasticdl_strategy.strategy.input_sharding import mark_per_worker
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
@@ -41,10 +40,21 @@ class ElasticRecords:
     a failure rolls it back with the model, and records consumed after the last
     commit (a dead worker's too) are taken again by the survivors.
 
-    Global batch policy: the batch per worker is fixed, so the global batch
-    is ``workers * batch_size`` and changes with the number of workers (as in
-    Horovod). Rescale the learning rate in a reset callback if it should
-    follow the global batch (see ``elastic.State.register_reset_callbacks``).
+    Global batch policy, one of:
+
+    - ``batch_size`` (per worker): the global batch is ``workers * batch_size``
+      and changes with the number of workers (as in Horovod, ElasticDL and
+      torchrun). Rescale the learning rate in a reset callback if it should
+      follow the global batch (see ``elastic.State.register_reset_callbacks``).
+    - ``global_batch_size``: every step takes that many records whatever the
+      number of workers, each worker its share (sizes differing by at most
+      one). A job that loses and gains workers then trains the very steps,
+      on the very records, of a job that does not: the same model, up to the
+      order of floating-point additions, and no learning rate to rescale.
+      Losses must be averaged over the global batch for that to hold exactly
+      when shares differ (``tf.nn.compute_average_loss(..., global_batch_size=G)``
+      in a custom loop); Keras' ``fit`` averages each worker's loss first, so
+      there it is exact when ``G`` divides by the number of workers.
 
     Example::
 
@@ -65,17 +75,17 @@ class ElasticRecords:
     def __init__(
         self,
         num_records: int,
-        batch_size: int,
+        batch_size: Optional[int] = None,
         shard_size: Optional[int] = None,
         seed: int = 0,
         shuffle: bool = True,
+        *,
+        global_batch_size: Optional[int] = None,
     ):
-        if batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size} must be at least 1")
+        self.policy = BatchPolicy(per_worker=batch_size, global_batch=global_batch_size)
         if shard_size is None:
-            shard_size = max(1, min(num_records, 4 * batch_size))
+            shard_size = max(1, min(num_records, 4 * (batch_size or global_batch_size or 1)))
         self.spec = DatasetSpec(num_records, shard_size, seed, shuffle)
-        self.batch_size = batch_size
         self.position = Position()
         self._streams: Dict[int, EpochStream] = {}
 
@@ -96,7 +106,7 @@ class ElasticRecords:
     def advance(self) -> None:
         """Records that the step at the current position was taken (its records are in the model)."""
         p = self.position
-        cursor = next_cursor(p.cursor, self.num_records, collective.size(), self.batch_size)
+        cursor = next_cursor(p.cursor, self.num_records, collective.size(), self.policy)
         if cursor >= self.num_records:
             self.position = Position(p.epoch + 1, 0, 0)
         else:
@@ -104,7 +114,7 @@ class ElasticRecords:
 
     def steps_left_in_epoch(self) -> int:
         """Steps from the current position to the end of its epoch, with the current workers."""
-        return sum(1 for _ in step_bounds(self.position.cursor, self.num_records, collective.size(), self.batch_size))
+        return sum(1 for _ in step_bounds(self.position.cursor, self.num_records, collective.size(), self.policy))
 
     # ---- indices ----------------------------------------------------------------------------
 
@@ -132,7 +142,7 @@ class ElasticRecords:
         p = self.position
         stream = self._stream(p.epoch)
         rank, size = collective.rank(), collective.size()
-        for start, end in step_bounds(p.cursor, self.num_records, size, self.batch_size):
+        for start, end in step_bounds(p.cursor, self.num_records, size, self.policy):
             yield stream.indices(*rank_share(start, end, rank, size))
 
     def dataset(self) -> tf.data.Dataset:

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import collective
 from elasticdl_strategy.data import ElasticFiles
-from elasticdl_strategy.data.plan import rank_share, step_bounds
+from elasticdl_strategy.data.plan import BatchPolicy, rank_share, step_bounds
 from elasticdl_strategy.errors import ConfigError
 
 COUNTS = [7, 0, 12, 5, 9]  # an empty file among them: 33 records
@@ -86,9 +86,8 @@ def test_each_rank_reads_its_shares_of_the_records_in_order_and_runs_map_fn_on_t
         plan = files.plan(rank, size)
         stream = order[cursor:]
         kept = [r for r, mine in zip(stream, plan.mine, strict=True) if mine]
-        expected = [
-            order[lo:hi] for lo, hi in (rank_share(s, e, rank, size) for s, e in step_bounds(cursor, 33, size, 3))
-        ]
+        steps = step_bounds(cursor, 33, size, BatchPolicy(per_worker=3))
+        expected = [order[lo:hi] for lo, hi in (rank_share(s, e, rank, size) for s, e in steps)]
         assert kept == sum(expected, [])
         assert plan.sizes.tolist() == [len(e) for e in expected if e]
         read = [list(range(f0 + o, f0 + o + c)) for f0, o, c in zip(
