@@ -341,7 +341,7 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
             finally:
                 self.experimental_enable_get_next_as_optional = False
         if plan.sharding is input_sharding.Sharding.ROWS:
-            dataset = input_sharding.split_global_batches(dataset, self._rank, self._size)
+            dataset = input_sharding.rows_of_global_batches(dataset, self._rank, self._size)
         return input_util.get_distributed_dataset(dataset, workers, strategy, options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):

@@ -28,9 +28,11 @@ worker keeps rows ``np.array_split(range(B), N)[i]`` of every global batch,
 so the workers of step k together train on one process's batch k — the
 "one process on the global batch" contract, tested against one process in
 float64 — and, unlike TensorFlow's DATA (``[4, 4, 2]`` for B = 10, N = 3),
-shares never differ by more than one row. Like TensorFlow's DATA it runs the
-pipeline before the batch on every record on every worker: give the source at
-least N files (or use FILE) where that work is costly.
+shares never differ by more than one row. Where the pipeline allows it
+(a known number of records, and only maps between the source and the batch:
+see :mod:`.rows_before_maps`) a worker chooses its rows before the maps and
+runs them on 1/N of the records; otherwise, as TensorFlow's DATA does, every
+worker runs the pipeline before the batch on every record.
 
 Datasets that already hold this worker's batches are taken as they are:
 those of :mod:`elasticdl_strategy.data`, numpy inputs to ``fit`` (sliced per
@@ -48,6 +50,7 @@ from typing import Any, Iterator, Optional
 import tensorflow as tf
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.strategy.rows_before_maps import rows_before_maps
 from elasticdl_strategy.strategy.tf_compat import dataset_function_graphs, dataset_inputs, reader_file_names
 
 Policy: Any = tf.data.experimental.AutoShardPolicy  # an enum.IntEnum; Any for the type checker
@@ -145,6 +148,13 @@ def with_policy(dataset: tf.data.Dataset, policy) -> tf.data.Dataset:
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = policy
     return dataset.with_options(options)
+
+
+def rows_of_global_batches(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
+    """This worker's rows of every global batch (DATA): chosen before the per-record maps where the
+    pipeline allows it (:mod:`.rows_before_maps`), else taken from each batch."""
+    rewritten = rows_before_maps(dataset, rank, size)
+    return rewritten if rewritten is not None else split_global_batches(dataset, rank, size)
 
 
 def split_global_batches(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:

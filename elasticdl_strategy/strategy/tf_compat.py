@@ -29,6 +29,8 @@ def check_version(version: str) -> None:
 
 check_version(tf.__version__)
 
+from tensorflow.python.data.ops import batch_op, dataset_ops, map_op, prefetch_op, repeat_op, skip_op, take_op  # noqa: E402
+from tensorflow.python.data.util import structure as data_structure  # noqa: E402
 from tensorflow.python.distribute import device_util  # noqa: E402
 from tensorflow.python.distribute import distribute_lib  # noqa: E402
 from tensorflow.python.distribute import distribute_utils  # noqa: E402
@@ -37,6 +39,7 @@ from tensorflow.python.distribute import input_util  # noqa: E402
 from tensorflow.python.distribute import reduce_util  # noqa: E402
 from tensorflow.python.distribute import values as distribute_values  # noqa: E402
 from tensorflow.python.framework import ops  # noqa: E402
+from tensorflow.python.framework import tensor_util  # noqa: E402
 from tensorflow.python.ops import control_flow_util  # noqa: E402
 from tensorflow.python.ops import resource_variable_ops  # noqa: E402
 from tensorflow.python.util import nest  # noqa: E402
@@ -61,6 +64,15 @@ def reader_file_names(reader: tf.data.Dataset):
 
 
 __all__ = [
+    "batch_op",
+    "dataset_ops",
+    "data_structure",
+    "map_op",
+    "prefetch_op",
+    "repeat_op",
+    "skip_op",
+    "take_op",
+    "tensor_util",
     "check_version",
     "dataset_inputs",
     "dataset_function_graphs",

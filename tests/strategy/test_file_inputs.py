@@ -90,6 +90,16 @@ def test_data_sharding_keeps_each_workers_rows_of_every_global_batch(reports, sc
     assert workers[0][scenario]["weights"] == workers[1][scenario]["weights"]
 
 
+def test_data_sharding_of_records_of_known_number_parses_only_each_workers_rows(reports):
+    records, workers = reports  # 48 records in batches of 8: 4 of each batch to each worker
+    np.testing.assert_array_equal(uses(workers, "data_in_memory"), 1)
+    for rank, worker in enumerate(workers):
+        assert parsed_in_last_epoch(worker, "data_in_memory") == records // 2
+        trained = np.flatnonzero(np.array(worker["data_in_memory"]["counts"][0]))
+        np.testing.assert_array_equal(trained % 8 // 4, rank)  # rows 0-3 of every batch to rank 0
+    assert workers[0]["data_in_memory"]["weights"] == workers[1]["data_in_memory"]["weights"]
+
+
 def test_hint_shards_where_the_pipeline_says(reports):
     records, workers = reports
     n = FILE_RECORDS[0]

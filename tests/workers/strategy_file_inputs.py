@@ -45,6 +45,8 @@ def source(files, kind: str) -> tf.data.Dataset:
     if kind == "list_files":  # the file names as a dataset, interleaved: the ImageNet-style pipeline
         names = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files))  # unseeded: FILE shards first
         return names.interleave(tf.data.TFRecordDataset, cycle_length=2)
+    if kind == "memory":  # the records read beforehand: a dataset of known length
+        return tf.data.Dataset.from_tensor_slices([r.numpy() for r in tf.data.TFRecordDataset(files)])
     if kind == "hint":
         return tf.data.TFRecordDataset(files).shard(tf.data.experimental.SHARD_HINT, tf.data.experimental.SHARD_HINT)
     return tf.data.TFRecordDataset(files)
@@ -96,6 +98,7 @@ def main(results_dir: str, files_dir: str) -> None:
         "file": (files, "list", Policy.FILE),
         "hint": (files[:1], "hint", Policy.HINT),
         "data": (files, "list", Policy.DATA),
+        "data_in_memory": (files, "memory", Policy.AUTO),
         "auto_one_file": (files[:1], "list", Policy.AUTO),
         "off": (files[:1], "list", Policy.OFF),
         "file_one_file": (files[:1], "list", Policy.FILE),
