@@ -54,7 +54,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,16 +65,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import (  # noqa: E402  (the process handling of the all-reduce benchmark)
-    RUN_TIMEOUT_S,
-    _describe,
-    _log_tail,
-    _raise_interrupt,
-    _write_json,
-    free_ports,
-    stop,
-    wait_all,
-)
+from allreduce import RUN_TIMEOUT_S, _describe, _log_tail, _raise_interrupt, _write_json  # noqa: E402
+from setups import Command, run_processes, setup_commands  # noqa: E402  (the processes of one setup)
 
 MIB = 1 << 20
 
@@ -417,24 +408,10 @@ class Result:
         return statistics.median(self.data[key]) * 1e3
 
 
-def worker_commands(framework: str, workers: int, worker_args: List[str]) -> List[Tuple[List[str], Dict[str, str]]]:
-    """(argv, env) of each process to start for one setup."""
+def worker_commands(framework: str, workers: int, worker_args: List[str]) -> List[Command]:
+    """(argv, env) of each process to start for one setup (MWMS with the thread counts our launcher sets)."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
-    base = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
-    if framework == "single":
-        return [(me, base)]
-    if framework in OURS:
-        base.update(OUR_PATH_ENV[framework])
-        return [([sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(workers), "--", *me], base)]
-    # The same per-worker thread counts as our launcher gives its workers (cores / N), for a fair comparison.
-    threads = str(max(1, (os.cpu_count() or 1) // workers))
-    base.setdefault("TF_NUM_INTRAOP_THREADS", threads)
-    base.setdefault("OMP_NUM_THREADS", threads)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
-    return [
-        (me, dict(base, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
-        for i in range(workers)
-    ]
+    return setup_commands("ours" if framework in OURS else framework, workers, me, OUR_PATH_ENV.get(framework))
 
 
 def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
@@ -452,24 +429,8 @@ def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
             "--results": results,
         }
         worker_args = [str(item) for option in options.items() for item in option]
-        procs: List[subprocess.Popen] = []
         started = time.monotonic()
-        try:
-            with open(log, "wb") as out:
-                for argv, env in worker_commands(framework, args.workers, worker_args):
-                    procs.append(
-                        subprocess.Popen(
-                            argv,
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
-                failure = wait_all(procs, args.timeout, results, args.timeout)
-        finally:
-            stop(procs)
+        failure = run_processes(worker_commands(framework, args.workers, worker_args), log, results, args.timeout)
         report = json.loads(results.read_text()) if results.exists() else {"models": {}, "errors": {}}
         status = "ok" if failure is None else f"FAILED: {failure}"
         print(f"  {framework:<6}: {time.monotonic() - started:.1f} s, {status}", file=sys.stderr, flush=True)
