@@ -3,11 +3,21 @@ import subprocess
 
 import pytest
 
+from elasticdl_strategy import collective
 from elasticdl_strategy.transport.options import TLSConfig
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes several seconds (multi-process jobs, 64 MiB tensors)")
+
+
+@pytest.fixture
+def single_worker(monkeypatch):
+    """This process as a job of one worker (rank 0 of 1, no coordinator), shut down afterwards."""
+    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
+    collective.init()
+    yield
+    collective.shutdown()
 
 
 @pytest.fixture(scope="session")

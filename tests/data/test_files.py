@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from elasticdl_strategy import collective
 from elasticdl_strategy.data import ElasticFiles
 from elasticdl_strategy.data.plan import BatchPolicy, rank_share, step_bounds
 from elasticdl_strategy.errors import ConfigError
@@ -15,12 +14,7 @@ from elasticdl_strategy.errors import ConfigError
 COUNTS = [7, 0, 12, 5, 9]  # an empty file among them: 33 records
 
 
-@pytest.fixture(autouse=True)
-def single_worker(monkeypatch):
-    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
-    collective.init()
-    yield
-    collective.shutdown()
+pytestmark = pytest.mark.usefixtures("single_worker")
 
 
 @pytest.fixture

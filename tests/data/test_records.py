@@ -3,17 +3,10 @@
 import numpy as np
 import pytest
 
-from elasticdl_strategy import collective
 from elasticdl_strategy.data import ElasticRecords, Position
 from elasticdl_strategy.errors import ConfigError
 
-
-@pytest.fixture(autouse=True)
-def single_worker(monkeypatch):
-    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
-    collective.init()
-    yield
-    collective.shutdown()
+pytestmark = pytest.mark.usefixtures("single_worker")
 
 
 def test_an_epoch_of_batches_covers_every_record_once_and_advance_moves_to_the_next_epoch():

@@ -5,17 +5,11 @@ import types
 import pytest
 import tensorflow as tf
 
-from elasticdl_strategy import collective, elastic
+from elasticdl_strategy import elastic
 from elasticdl_strategy.elastic.run import _recover, _Reset
 from elasticdl_strategy.errors import ElasticDLError
 
-
-@pytest.fixture(autouse=True)
-def single_worker(monkeypatch):
-    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
-    collective.init()
-    yield
-    collective.shutdown()
+pytestmark = pytest.mark.usefixtures("single_worker")
 
 
 def fake_worker(rank, last_commit_id):

@@ -13,13 +13,7 @@ from elasticdl_strategy.elastic.state import WorkerLeft
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
-
-@pytest.fixture(autouse=True)
-def single_worker(monkeypatch):
-    monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
-    collective.init()
-    yield
-    collective.shutdown()
+pytestmark = pytest.mark.usefixtures("single_worker")
 
 
 def test_restore_rolls_variables_values_and_position_back_to_a_commit():
