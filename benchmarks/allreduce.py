@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 import numpy as np
 
 FRAMEWORKS = ("shm", "socket", "grpc", "gloo", "tf")

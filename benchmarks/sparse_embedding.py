@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
+
 ROWS, WIDTH, BATCH, IDS_PER_ROW = 1_000_000, 32, 256, 8
 
 
