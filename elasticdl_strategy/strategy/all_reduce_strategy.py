@@ -320,7 +320,8 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
         options = _single_device_input_options(options)
         workers, strategy = self._input_workers_with_options(options), self._container_strategy()
         plan = input_sharding.plan(dataset, self._size)
-        logger.debug("input of rank %d: %s (%s)", self._rank, plan.sharding.value, plan.reason)
+        if self._rank == 0 and plan.sharding is not input_sharding.Sharding.AS_IS:
+            logger.info("input split over %d workers: %s", self._size, plan.reason)
         if plan.sharding is input_sharding.Sharding.TENSORFLOW:
             assert plan.policy is not None
             context = distribute_lib.InputContext(
