@@ -1,11 +1,12 @@
 """All-reduce benchmark: elasticdl_strategy.collective (shared memory, data socket, gRPC) vs torch.distributed
-(gloo) vs TensorFlow.
+(gloo) vs TensorFlow vs Open MPI (mpi4py; shared memory and TCP).
 
 Usage::
 
     python benchmarks/allreduce.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--workers 2,4] [--repeats 20]
-                                   [--frameworks shm,socket,grpc,gloo,tf] [--json out.json]
+                                   [--frameworks shm,socket,grpc,gloo,tf,mpi,mpi-tcp] [--json out.json]
                                    [--profile PREFIX [--profile-size 64MiB] [--profile-workers 2]]
+                                   [--mpi-python /usr/bin/python3]
 
 Frameworks:
     shm     ``collective.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
@@ -18,10 +19,47 @@ Frameworks:
     gloo  ``torch.distributed.all_reduce`` on the gloo backend (skipped when torch is not installed)
     tf    ``tf.distribute.MultiWorkerMirroredStrategy`` with the RING implementation, a replica-context
           ``all_reduce`` inside ``strategy.run`` of a ``tf.function`` (out-of-place: TF has no in-place form)
+    mpi     mpi4py ``comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)`` under Open MPI's ``mpirun``, over its
+            shared-memory transport: ``--mca pml ob1 --mca btl vader,self`` (``sm,self`` from Open MPI 5).
+            That is what Open MPI 4.1 picks on one host without any ``--mca`` (``--mca btl_base_verbose 100``
+            prints "bml: Using vader btl for send to ..."); naming it keeps UCX or another PML or BTL from
+            taking over where one is installed. Checked: rank 0 must write less than a quarter of the tensor
+            per all-reduce through system calls during a size (see mpi-tcp); it writes 0 bytes here
+    mpi-tcp the same over TCP on the loopback interface only: ``--mca pml ob1 --mca btl tcp,self
+            --mca btl_tcp_if_include lo`` (no shared-memory BTL; by default the tcp BTL leaves out
+            127.0.0.0/8 and took eth0's address here, and finds nothing on a host with only ``lo``).
+            Checked: rank 0 must write at least a quarter of the tensor per all-reduce through system calls
+            during a size (``wchar`` of ``/proc/self/io``; the tcp BTL ``writev``s each fragment): 1 to 2.5
+            tensors per call here at N = 2 to 4, by Open MPI's algorithm for the size and N. Without
+            /proc/self/io nothing is checked
+
+MPI: one ``mpirun --oversubscribe --bind-to none -np N`` (plus ``--allow-run-as-root`` as root; not bound
+to cores, like the other frameworks' processes) starts the N workers, each running this file with
+``--worker mpi`` or ``--worker mpi-tcp`` under an interpreter that has numpy and mpi4py built on Open MPI:
+``--mpi-python``, by default ``/usr/bin/python3`` if it has them (Debian and Ubuntu:
+``apt-get install openmpi-bin python3-mpi4py python3-numpy``), else this interpreter (mpi4py from PyPI
+built against the installed Open MPI). The MPI frameworks are skipped with a note when neither imports
+them, when ``mpirun`` is not on PATH or not Open MPI's, or when its version differs from the library's.
+That interpreter needs nothing else: this module imports only the standard library and numpy at its top
+and each backend imports its framework itself, so an MPI worker loads numpy, mpi4py and the standard
+library only. Open MPI's ``tuned`` collective component runs the all-reduce with the algorithm it picks
+for the size and N (``coll sm``, ``han`` and ``adapt`` have priority 0 in 4.1, so the all-reduce goes
+through the PML and the BTL named above); as by default, the ranks busy-poll while they wait unless the
+node is oversubscribed (N = 4 on 2 cores), where they yield.
+
+How TCP-only was verified (Open MPI 4.1.4, Debian 12, mpi4py 3.1.4): with ``--mca btl_base_verbose 100``
+every rank prints "btl: tcp: Using interface: lo" and "bml: Using tcp btl for send to" each other rank (the
+self BTL only to itself); ``--mca coll_base_verbose 10`` shows ``sm``, ``han`` and ``adapt`` disabled; and
+``wchar`` grew by 5.0 MiB over 5 all-reduces of 1 MiB at N = 2 where the same loop under vader wrote 0
+bytes. The benchmark repeats the last check on every size (a swapped ``--mca btl`` fails both ways).
+
+Stopping an MPI run: ``mpirun`` puts every rank in a process group of its own, so stopping a run signals
+``mpirun``'s process group and each of its descendants by pid (SIGTERM, then SIGKILL); each rank also
+has the kernel SIGKILL it when ``mpirun`` dies (``PR_SET_PDEATHSIG``).
 
 Method: for every framework and worker count N, this script starts N local worker
-processes running itself in ``--worker FRAMEWORK`` mode. Each worker goes through the
-sizes in order; per size it fills a float32 buffer with ones, runs ``--warmup`` untimed
+processes running itself in ``--worker FRAMEWORK`` mode (for MPI through ``mpirun``). Each
+worker goes through the sizes in order; per size it fills a float32 buffer with ones, runs ``--warmup`` untimed
 all-reduces, then ``--repeats`` timed ones (fewer for 64 MiB and up, see
 :func:`repeats_for`). Before each timed call the buffer is refilled and all ranks meet
 in a barrier; only the all-reduce itself is timed with ``time.perf_counter`` (for TF
@@ -40,7 +78,8 @@ Memory (rank 0 only): before each size the previous buffer is released, the kern
 resident-set high-water mark is reset (``"5"`` written to ``/proc/self/clear_refs``,
 Linux >= 4.0) and VmRSS is read; after the size, VmHWM (from ``/proc/self/status``) is the
 peak resident memory of the process during that size: interpreter, libraries, the tensor,
-transport buffers and mapped shared memory that was touched. Where the reset fails the
+transport buffers and mapped shared memory that was touched (for MPI: the rank's own process, Open MPI's
+shared-memory segments included). Where the reset fails the
 peak is ``ru_maxrss``, the peak since the process started. Printed as "peak MiB" and
 "peak/T" (peak over the tensor bytes).
 
@@ -76,10 +115,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+# Only the standard library and numpy at the top: the MPI workers run this file under the system python,
+# which has mpi4py but neither elasticdl_strategy nor torch nor TensorFlow (each backend imports its own).
 import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 import numpy as np
 
-FRAMEWORKS = ("shm", "socket", "grpc", "gloo", "tf")
+FRAMEWORKS = ("shm", "socket", "grpc", "gloo", "tf", "mpi", "mpi-tcp")
 OURS = ("shm", "socket", "grpc")  # our data paths; the ratio lines compare these with the others
 # What each of our data paths sets in the workers' environment.
 OUR_PATH_ENV = {
@@ -87,6 +128,13 @@ OUR_PATH_ENV = {
     "socket": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "1"},
     "grpc": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "0"},
 }
+MPI_FRAMEWORKS = ("mpi", "mpi-tcp")
+DEFAULT_MPI_PYTHON = "/usr/bin/python3"  # Debian's, where apt installs python3-mpi4py
+MPI_INSTALL_HINT = (
+    "apt-get install -y openmpi-bin python3-mpi4py python3-numpy (for /usr/bin/python3), "
+    "or --mpi-python PY with mpi4py built on Open MPI"
+)
+MPI_PROBE_TIMEOUT_S = 60.0
 DEFAULT_SIZES = "4KiB,256KiB,4MiB,64MiB,256MiB"
 DEFAULT_WORKERS = "2,4"
 LARGE_BYTES = 64 << 20  # sizes from here on get fewer repeats
@@ -321,12 +369,95 @@ class TFBackend:
         return None
 
 
+def _bytes_written() -> Optional[int]:
+    """Bytes this process has passed to write system calls (``wchar`` of /proc/self/io), None if unknown."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when its parent (``mpirun``) dies: the ranks are not in
+    ``mpirun``'s process group and would otherwise outlive a ``mpirun`` that is killed."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request
+        os._exit(1)
+
+
+class MpiBackend:
+    """mpi4py ``Allreduce`` in place under ``mpirun``; ``framework`` (mpi or mpi-tcp) names the transport that
+    the parent selected with ``--mca btl`` and that :meth:`check_transport` checks.
+
+    Runs under the MPI python: imports only numpy, mpi4py and the standard library."""
+
+    def __init__(self, framework: str) -> None:
+        _die_with_parent()
+        from mpi4py import MPI  # MPI_Init
+
+        self._mpi, self._comm = MPI, MPI.COMM_WORLD
+        self._tcp = framework == "mpi-tcp"
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+        self._x: np.ndarray = np.zeros(0, np.float32)
+        self._calls = 0
+        self._written_before: Optional[int] = None
+
+    def prepare(self, count: int) -> None:
+        self._x = np.ones(count, np.float32)
+        self._calls = 0
+        self._written_before = _bytes_written()
+
+    def refill(self) -> None:
+        self._x.fill(1.0)
+
+    def allreduce(self) -> None:
+        self._comm.Allreduce(self._mpi.IN_PLACE, self._x, op=self._mpi.SUM)
+        self._calls += 1
+
+    def result(self) -> np.ndarray:
+        return self._x
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def close(self) -> None:
+        pass  # mpi4py calls MPI_Finalize at exit
+
+    def check_transport(self, nbytes: int) -> Optional[str]:
+        """The tcp BTL moves the payload with writev on its sockets, vader with memcpy (or process_vm_readv):
+        the bytes written through system calls during the size tell them apart."""
+        after = _bytes_written()
+        if self.size < 2 or self._written_before is None or after is None or not self._calls:
+            return None
+        written = after - self._written_before
+        through_syscalls = written >= self._calls * nbytes / 4
+        if self._tcp and not through_syscalls:
+            return f"TCP not used: rank {self.rank} wrote {written} bytes in {self._calls} all-reduces"
+        if not self._tcp and through_syscalls:
+            return f"shared memory not used: rank {self.rank} wrote {written} bytes in {self._calls} all-reduces"
+        return None
+
+
 BACKENDS: Dict[str, Callable[[], Backend]] = {
     "shm": lambda: OursBackend("shm"),
     "socket": lambda: OursBackend("socket"),
     "grpc": lambda: OursBackend("grpc"),
     "gloo": GlooBackend,
     "tf": TFBackend,
+    "mpi": lambda: MpiBackend("mpi"),
+    "mpi-tcp": lambda: MpiBackend("mpi-tcp"),
 }
 
 
@@ -488,17 +619,110 @@ def profiled(argv: List[str], prefix: str) -> List[str]:
     return ["sh", "-c", script, prefix, *argv]
 
 
+@dataclass(frozen=True)
+class MpiSetup:
+    """What runs the MPI frameworks: an interpreter with mpi4py and numpy, and Open MPI's mpirun."""
+
+    python: str
+    mpirun: str
+    version: str  # Open MPI's, e.g. "4.1.4"
+    mpi4py: str
+
+    def describe(self) -> str:
+        return f"Open MPI {self.version} ({self.mpirun}), mpi4py {self.mpi4py} under {self.python}"
+
+
+_OPEN_MPI_VERSION = re.compile(r"Open MPI\)? v?(\d+\.\d+\.\d+)")
+# Prints mpi4py's version and the MPI library's first line without initializing MPI.
+_MPI_PROBE = (
+    "import mpi4py, numpy; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+    "print(mpi4py.__version__); print(MPI.Get_library_version().splitlines()[0])"
+)
+
+
+def _probe_mpi_python(python: str) -> Tuple[Optional[Tuple[str, str]], str]:
+    """((mpi4py version, Open MPI version), "") if ``python`` runs mpi4py on Open MPI, else (None, why not)."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _MPI_PROBE], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=MPI_PROBE_TIMEOUT_S,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, _describe(e, 120)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        return None, lines[-1][:120]
+    lines = done.stdout.strip().splitlines()
+    match = _OPEN_MPI_VERSION.search(lines[-1]) if len(lines) == 2 else None
+    if not match:
+        return None, f"mpi4py is not built on Open MPI ({' '.join(lines)[:80]})"
+    return (lines[0], match.group(1)), ""
+
+
+def find_mpi(requested_python: Optional[str]) -> Tuple[Optional[MpiSetup], str]:
+    """The MPI setup, or (None, why not): ``requested_python`` (``--mpi-python``) if given, else the first of
+    /usr/bin/python3 and this interpreter that imports numpy and an mpi4py on Open MPI; ``mpirun`` from PATH,
+    which must be Open MPI of the same version as the library mpi4py loads."""
+    candidates = [requested_python] if requested_python else [DEFAULT_MPI_PYTHON, sys.executable]
+    found, problems = None, []
+    for python in dict.fromkeys(candidates):  # in order, without repeats
+        versions, why = _probe_mpi_python(python)
+        if versions:
+            found = (python, *versions)
+            break
+        problems.append(f"{python}: {why}")
+    if found is None:
+        return None, "; ".join(problems)
+    python, mpi4py_version, library_version = found
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None, "mpirun is not on PATH"
+    try:
+        done = subprocess.run(
+            [mpirun, "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=MPI_PROBE_TIMEOUT_S,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{mpirun} --version: {_describe(e, 120)}"
+    match = _OPEN_MPI_VERSION.search(done.stdout + done.stderr)
+    if not match:
+        return None, f"{mpirun} is not Open MPI's"
+    if match.group(1) != library_version:
+        return None, f"{mpirun} is Open MPI {match.group(1)}, mpi4py under {python} loads {library_version}"
+    return MpiSetup(python, mpirun, library_version, mpi4py_version), ""
+
+
+def mpirun_argv(setup: MpiSetup, framework: str, workers: int, command: Sequence[str]) -> List[str]:
+    """``mpirun`` starting ``workers`` ranks of ``setup.python command...`` on the transport of ``framework``:
+    shared memory (mpi) or TCP over the loopback interface only (mpi-tcp), both through the ob1 PML."""
+    shared_memory_btl = "sm" if int(setup.version.split(".")[0]) >= 5 else "vader"  # renamed in Open MPI 5
+    transport = {
+        "mpi": ["--mca", "btl", f"{shared_memory_btl},self"],
+        "mpi-tcp": ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"],
+    }[framework]
+    argv = [setup.mpirun, "-np", str(workers), "--oversubscribe", "--bind-to", "none"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+    return [*argv, "--mca", "pml", "ob1", *transport, setup.python, *command]
+
+
 def worker_commands(
     framework: str,
     workers: int,
     worker_args: List[str],
     profile_prefix: Optional[str] = None,
     tls_dir: Optional[str] = None,
+    mpi: Optional[MpiSetup] = None,
 ) -> List[Tuple[List[str], Dict[str, str]]]:
     """(argv, env) of each process to start for one run; with ``profile_prefix`` (our paths only)
-    every worker runs under py-spy; with ``tls_dir`` ours use TLS with its cert.pem, key.pem and ca.pem."""
+    every worker runs under py-spy; with ``tls_dir`` ours use TLS with its cert.pem, key.pem and ca.pem;
+    the MPI frameworks need ``mpi`` and are one ``mpirun``."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
     base = dict(os.environ, PYTHONUNBUFFERED="1")
+    if framework in MPI_FRAMEWORKS:
+        if mpi is None:
+            raise ValueError(f"{framework} needs an MPI setup (find_mpi)")
+        return [(mpirun_argv(mpi, framework, workers, me[1:]), base)]
     if framework in OURS:
         env = dict(base, **OUR_PATH_ENV[framework])
         command = profiled(me, profile_prefix) if profile_prefix else me
@@ -519,13 +743,63 @@ def worker_commands(
     ]
 
 
+@dataclass(frozen=True)
+class Descendant:
+    pid: int
+    pgid: int
+    start: str  # start time in clock ticks since boot: tells a reused pid apart
+
+    def alive(self) -> bool:
+        fields = _proc_stat(self.pid)
+        return fields is not None and fields[19] == self.start and fields[0] not in ("Z", "X")
+
+
+def _proc_stat(pid: int) -> Optional[List[str]]:
+    """Fields 3.. of /proc/PID/stat (state, ppid, pgrp, ..., field 22 start time at index 19), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # the command name, in parentheses, may hold spaces
+    return fields if len(fields) > 19 else None
+
+
+def descendants(pid: int) -> List[Descendant]:
+    """Every process below ``pid`` (children, their children, ...), from /proc; empty where there is none."""
+    children: Dict[int, List[int]] = collections.defaultdict(list)
+    stats: Dict[int, List[str]] = {}
+    try:
+        entries = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        fields = _proc_stat(entry)
+        if fields is not None:
+            stats[entry] = fields
+            children[int(fields[1])].append(entry)
+    found, todo = [], list(children[pid])
+    while todo:
+        child = todo.pop()
+        found.append(Descendant(child, int(stats[child][2]), stats[child][19]))
+        todo += children[child]
+    return found
+
+
 def stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM each process group by pid, then SIGKILL what is left after a grace period."""
+    """SIGTERM each process group by pid and every descendant outside it (``mpirun`` puts each rank in a
+    process group of its own), then SIGKILL what is left after a grace period."""
+    strays = [d for p in procs if p.poll() is None for d in descendants(p.pid) if d.pgid != p.pid]
     for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
         alive = [p for p in procs if p.poll() is None]
+        strays = [d for d in strays if d.alive()]
         for p in alive:
             try:
                 os.killpg(p.pid, sig)  # each child leads its own session, so pgid == pid
+            except ProcessLookupError:
+                pass
+        for d in strays:
+            try:
+                os.kill(d.pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
@@ -534,6 +808,8 @@ def stop(procs: Sequence[subprocess.Popen]) -> None:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        while any(d.alive() for d in strays) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _read_report(results: Path) -> Optional[dict]:
@@ -601,7 +877,8 @@ def run_one(
         started = time.monotonic()
         try:
             with open(log, "wb") as out:
-                for argv, env in worker_commands(framework, workers, worker_args, profile_prefix, args.tls):
+                commands = worker_commands(framework, workers, worker_args, profile_prefix, args.tls, args.mpi)
+                for argv, env in commands:
                     procs.append(
                         subprocess.Popen(
                             argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -615,7 +892,7 @@ def run_one(
         elapsed = time.monotonic() - started
         status = "ok" if failure is None else f"FAILED: {failure}"
         label = f"{framework} (under py-spy)" if profile_prefix else framework
-        print(f"  {label:<4} N={workers}: {elapsed:.1f} s, {status}", file=sys.stderr, flush=True)
+        print(f"  {label:<7} N={workers}: {elapsed:.1f} s, {status}", file=sys.stderr, flush=True)
         if failure is not None or report.get("errors"):
             print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
         if profile_prefix:
@@ -748,7 +1025,13 @@ def method_line(args: argparse.Namespace) -> str:
         f"after {args.warmup} warmups, barrier before each timed call, float32 sum, in-place "
         f"(TF: out-of-place), local processes; machine: {os.cpu_count()} CPU cores (os.cpu_count()). "
         "Memory: rank 0's peak resident set during each size (VmHWM reset per size)."
+        + (f" MPI: {args.mpi.describe()}." if args.mpi else "")
     )
+
+
+def _ratio(value: float) -> str:
+    """Two decimals; two significant digits below 0.1 (MPI's small sizes are far below ours)."""
+    return f"{value:.2f}×" if value >= 0.1 else f"{value:.2g}×"
 
 
 def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], sizes: Sequence[int]) -> None:
@@ -788,10 +1071,10 @@ def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], 
             parts = []
             for other_fw in (o for f, o in pairs if f == ours_fw):
                 other = by_key[(other_fw, nbytes)]
-                ratio = "n/a" if ours.error or other.error else f"{other.median / ours.median:.2f}×"
+                ratio = "n/a" if ours.error or other.error else _ratio(other.median / ours.median)
                 parts.append(f"vs {other_fw} {ratio}")
             size = format_size(nbytes) if i == 0 else ""
-            print(f"{size:>8}  {ours_fw:<4}: " + "   ".join(parts))
+            print(f"{size:>8}  {ours_fw:<6}: " + "   ".join(parts))
 
 
 def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> None:
@@ -821,12 +1104,24 @@ def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> No
     Path(path).write_text(json.dumps(data, indent=1))
 
 
-def available_frameworks(requested: Sequence[str]) -> List[str]:
-    """Drops frameworks whose package is not installed, with a note."""
+def available_frameworks(requested: Sequence[str], args: argparse.Namespace) -> List[str]:
+    """Drops frameworks whose package is not installed, with a note; sets ``args.mpi`` (an
+    :class:`MpiSetup`) when an MPI framework is requested and can run."""
     modules = {"gloo": "torch", "tf": "tensorflow", **{fw: "elasticdl_strategy" for fw in OURS}}
+    mpi_requested = [fw for fw in requested if fw in MPI_FRAMEWORKS]
+    if mpi_requested:
+        args.mpi, why_no_mpi = find_mpi(args.mpi_python)
+        if args.mpi is None:
+            print(
+                f"note: skipping {', '.join(mpi_requested)}: {why_no_mpi}; install: {MPI_INSTALL_HINT}",
+                file=sys.stderr,
+            )  # fmt: skip
     chosen = []
     for fw in requested:
-        if importlib.util.find_spec(modules[fw]) is None:
+        if fw in MPI_FRAMEWORKS:
+            if args.mpi is not None:
+                chosen.append(fw)
+        elif importlib.util.find_spec(modules[fw]) is None:
             print(f"note: skipping {fw}: {modules[fw]} is not installed", file=sys.stderr)
         else:
             chosen.append(fw)
@@ -861,10 +1156,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile-size", type=parse_size, default=parse_size("64MiB"), help="default 64MiB")
     p.add_argument("--profile-workers", type=int, default=2, help="default 2")
     p.add_argument("--profile-repeats", type=int, default=20, help="timed calls in the profiled run (default 20)")
+    p.add_argument(
+        "--mpi-python", metavar="PY",
+        help=f"interpreter with mpi4py (on Open MPI) and numpy for the MPI workers (default {DEFAULT_MPI_PYTHON} "
+        "if it has them, else this one)",
+    )  # fmt: skip
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)  # internal: worker mode
     p.add_argument("--results", type=Path, help=argparse.SUPPRESS)  # internal: where rank 0 writes
     p.add_argument("--fixed-repeats", action="store_true", help=argparse.SUPPRESS)  # internal: no repeats_for
     args = p.parse_args(argv)
+    args.mpi = None  # the MpiSetup, found by available_frameworks
     if args.repeats < 1 or args.warmup < 0 or args.profile_repeats < 1 or args.profile_workers < 1:
         p.error("--repeats, --profile-repeats and --profile-workers must be >= 1 and --warmup >= 0")
     if args.timeout <= 0 or args.cell_timeout <= 0:
@@ -881,7 +1182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.worker:
         return worker_main(args.worker, args.sizes, args.repeats, args.warmup, args.results, args.fixed_repeats)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the workers
-    frameworks = available_frameworks(args.frameworks)
+    frameworks = available_frameworks(args.frameworks, args)
     print(method_line(args))
     cells: List[Cell] = []
     try:
