@@ -9,14 +9,16 @@ are built on, and is exposed to users as ``collective.send`` / ``recv`` /
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from elasticdl_strategy.collective.dtypes import as_supported_array, dtype_name
 from elasticdl_strategy.collective.mailbox import ArraySink, Mailbox, Sink
@@ -27,8 +29,10 @@ from elasticdl_strategy.errors import (
     ConfigError,
     PeerFailureError,
 )
+from elasticdl_strategy.transport import futex
 from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.lanes import ReceiveLane
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort, settle
 from elasticdl_strategy.transport.protos import peer_pb2
@@ -38,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 USER_CHANNEL = 0
 COLLECTIVE_CHANNEL = 1
+# A caller sleeping on a lane's doorbell wakes at least this often (to look at its deadline).
+_LANE_WAIT_SLICE_S = 0.5
+# A receive from a peer without a lane looks this often whether one appeared (its stream opened).
+_NO_LANE_SLICE_S = 0.02
+_DONE: futures.Future = futures.Future()  # the future of every send that completed in the caller
+_DONE.set_result(None)
 
 
 class Request:
@@ -58,9 +68,11 @@ class Request:
         default_timeout: float,
         rank: int,
         cancel: Optional[Callable[[BaseException], bool]] = None,
+        progress: Optional[Callable[[futures.Future, float], Any]] = None,
     ):
         self._future = future
         self._cancel = cancel
+        self._progress = progress  # waits for the future while reading the peer's lane (receives)
         self._describe = describe
         self._peer = peer
         self._default_timeout = default_timeout
@@ -88,6 +100,8 @@ class Request:
         """
         timeout = self._default_timeout if timeout is None else timeout
         try:
+            if self._progress is not None and not self._future.done():
+                return self._progress(self._future, timeout)
             return self._future.result(timeout=timeout)
         except futures.TimeoutError:
             raise self._timeout_error(timeout) from None
@@ -163,11 +177,14 @@ class PointToPoint:
         self._streams: Dict[int, OutboundStream] = {}
         self._send_sequence: Dict[tuple, int] = {}
         self._failed: Dict[int, str] = {}
+        self._lanes: Dict[int, "_InboundStream"] = {}  # peers whose small messages arrive in a lane
+        self._lanes_possible = options.shared_memory and options.shm_lane_bytes > 0 and futex.AVAILABLE
         # gRPC cancels a call whose future is garbage-collected: keep aborts alive until done.
         self._aborts_in_flight: set = set()
         self._closed = False
         self.bytes_sent = 0
         self.messages_sent = 0
+        self.lane_messages_sent = 0  # of messages_sent, those written into a peer's lane
 
     # ---- sending --------------------------------------------------------------------------
 
@@ -200,17 +217,21 @@ class PointToPoint:
             shape=array.shape,
             collective=collective,
         )
-        inline = payload.nbytes <= self.options.inline_threshold
-        if inline:
-            header.inline_data = payload.tobytes()
         self.bytes_sent += payload.nbytes
         self.messages_sent += 1
         describe = lambda: f"send to rank {dst} (tag {tag})"  # noqa: E731
         if dst == self.rank:
             return self._send_to_self(header, payload, describe)
         view = payload.data
+        stream = self._stream_to(dst)
+        if stream.try_lane(header, view):  # copied into the peer's lane: done
+            self.lane_messages_sent += 1
+            return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
+        inline = payload.nbytes <= self.options.inline_threshold
+        if inline:
+            header.inline_data = payload.tobytes()
         message = OutgoingMessage(header, view[:0] if inline else view, header.chunk_size)
-        self._stream_to(dst).submit(message)
+        stream.submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, timeout: Optional[float] = None) -> None:
@@ -221,9 +242,7 @@ class PointToPoint:
         writer = self.mailbox.deliver(self.rank, header)
         writer.write(0, memoryview(payload.tobytes()))
         writer.finish()
-        done: futures.Future = futures.Future()
-        done.set_result(None)
-        return Request(done, describe, self.rank, self.options.timeout_s, self.rank)
+        return Request(_DONE, describe, self.rank, self.options.timeout_s, self.rank)
 
     @property
     def shared_memory_peers(self) -> List[int]:
@@ -269,6 +288,9 @@ class PointToPoint:
         if out is not None and (not isinstance(out, np.ndarray) or not out.flags.c_contiguous):
             raise ConfigError("out must be a C-contiguous numpy array")
         sink = sink or ArraySink(self.rank, out)
+        inbound = self._lanes.get(src)
+        if inbound is not None:
+            inbound.read_lane()  # what already arrived there, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
         return Request(
             future,
@@ -277,6 +299,7 @@ class PointToPoint:
             self.options.timeout_s,
             self.rank,
             cancel=lambda error: self.mailbox.cancel(key, error),
+            progress=functools.partial(self._wait_reading_lane, src) if self._lanes_possible else None,
         )
 
     def recv(
@@ -292,6 +315,47 @@ class PointToPoint:
         except CollectiveTimeoutError:
             request.cancel()
             raise
+
+    def _wait_reading_lane(self, src: int, future: futures.Future, timeout: float):
+        """Waits for a receive from ``src``, reading ``src``'s lane in this thread meanwhile.
+
+        Looks again and again for ``spin_us``, then sleeps on the lane's doorbell, which the
+        sender rings after each message and this process when the receive completes another
+        way (its message came on the stream, or the stream ended and failed it).
+
+        Raises:
+            futures.TimeoutError: not complete within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        spin_until = time.monotonic() + self.options.spin_us * 1e-6
+        rings_on_completion = False
+        while True:
+            inbound = self._lanes.get(src)
+            lane = inbound.lane if inbound is not None else None
+            if lane is None:
+                # No lane (yet): the stream's thread completes the future. Look again now and then,
+                # as a stream that opens meanwhile brings a lane its first messages may come by.
+                remaining = deadline - time.monotonic()
+                try:
+                    return future.result(max(0.0, min(remaining, _NO_LANE_SLICE_S)))
+                except futures.TimeoutError:
+                    if remaining <= _NO_LANE_SLICE_S:
+                        raise
+                    continue
+            seen = lane.doorbell
+            inbound.read_lane()  # type: ignore[union-attr]
+            if future.done():
+                return future.result(0)
+            now = time.monotonic()
+            if now >= deadline:
+                raise futures.TimeoutError()
+            if now < spin_until:
+                continue
+            if not rings_on_completion:
+                future.add_done_callback(functools.partial(_ring, lane))
+                rings_on_completion = True
+                continue  # look once more: it may have completed before the callback was added
+            lane.wait(seen, min(deadline - now, _LANE_WAIT_SLICE_S))
 
     # ---- the StreamListener side, called by the worker server -----------------------------
 
@@ -398,8 +462,11 @@ class PointToPoint:
         """A shared-memory arena to offer a peer, or ``None`` (disabled, or no usable directory)."""
         if not self.options.shared_memory:
             return None
+        lane_bytes = self.options.shm_lane_bytes if self._lanes_possible else 0
         try:
-            return SendArena(self.options.shared_memory_dir, self.options.shm_slots, self.options.shm_slot_size)
+            return SendArena(
+                self.options.shared_memory_dir, self.options.shm_slots, self.options.shm_slot_size, lane_bytes
+            )
         except OSError as e:
             logger.debug("no shared-memory arena (%s); sending over gRPC", e)
             return None
@@ -432,12 +499,19 @@ class PointToPoint:
         self.mailbox.fail_channel(COLLECTIVE_CHANNEL, closed)
 
 
+def _ring(lane: ReceiveLane, _future: futures.Future) -> None:
+    lane.ring()
+
+
 class _InboundStream:
-    """Receives one peer's stream into the mailbox (StreamReceiver protocol)."""
+    """Receives one peer's stream into the mailbox (StreamReceiver protocol), and its lane when
+    the stream has one: read by whichever thread waits for a message from that peer."""
 
     def __init__(self, p2p: PointToPoint, src: int):
         self._p2p = p2p
         self._src = src
+        self.lane: Optional[ReceiveLane] = None
+        self._lane_lock = threading.Lock()  # one reader at a time
 
     def on_header(self, header: peer_pb2.MessageHeader):
         p2p = self._p2p
@@ -445,7 +519,42 @@ class _InboundStream:
             p2p.header_observer(self._src, header.collective)
         return p2p.mailbox.deliver(self._src, header)
 
+    def attach_lane(self, lane: ReceiveLane) -> None:
+        self.lane = lane
+        self._p2p._lanes[self._src] = self
+
+    def read_lane(self) -> None:
+        """Delivers every message waiting in the lane to the mailbox."""
+        with self._lane_lock:
+            lane = self.lane
+            while lane is not None:
+                try:
+                    record = lane.next_record()
+                    if record is None:
+                        return
+                    header_bytes, payload, end = record
+                    writer = self.on_header(peer_pb2.MessageHeader.FromString(header_bytes))
+                except (ValueError, DecodeError) as e:  # a corrupt arena: the stream cannot be trusted
+                    self.lane = lane = None
+                    self._p2p.peer_failed(self._src, f"its lane holds something that is not a message ({e})")
+                    return
+                if len(payload):
+                    writer.write(0, payload, borrowed=True)
+                writer.finish()
+                lane.release(end)
+
+    def _detach_lane(self) -> None:
+        """The stream ended: reads what its lane still holds, then lets go of it (waiters are woken)."""
+        self.read_lane()
+        with self._lane_lock:
+            lane, self.lane = self.lane, None
+        if self._p2p._lanes.get(self._src) is self:
+            del self._p2p._lanes[self._src]
+        if lane is not None:
+            lane.ring()
+
     def on_closed(self, error: Optional[str], goodbye: Optional[peer_pb2.Goodbye]) -> None:
+        self._detach_lane()
         if error is not None:
             self._p2p.peer_failed(self._src, error)
             return

@@ -8,6 +8,7 @@ import ssl
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.frames import CHUNK_PREFIX_SIZE, MAX_CHUNK_SIZE
 from elasticdl_strategy.transport.shared_memory import MAX_SLOT_SIZE, MAX_SLOTS
 
@@ -126,6 +127,12 @@ class TransportOptions:
         shm_slot_size: bytes per arena slot (the unit copied in and reduced
             out while the next one is being filled).
         shm_slots: slots per arena (one arena per peer a worker sends to).
+        shm_lane_bytes: bytes of each arena's lane, the ring of small messages
+            that callers write and read themselves (:mod:`.lanes`); 0: none.
+            A message goes there when it fits in a quarter of it.
+        spin_us: how long a caller waiting for a message on a lane looks
+            for it again and again before it sleeps until woken (a sleep and
+            its wake-up cost tens of microseconds); 0: sleep at once.
         data_socket: move each stream's frames to a direct TCP connection
             that the stream sets up and authenticates: between hosts it
             carries the payloads too; with shared memory, the small frames
@@ -144,6 +151,8 @@ class TransportOptions:
     shared_memory_dir: str = "/dev/shm"
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
+    shm_lane_bytes: int = 1 * MiB
+    spin_us: float = 50.0
     data_socket: bool = True
 
     def __post_init__(self) -> None:
@@ -163,6 +172,15 @@ class TransportOptions:
             )
         if not 2 <= self.shm_slots <= MAX_SLOTS:
             raise ConfigError(f"shm_slots={self.shm_slots} must be between 2 and {MAX_SLOTS}")
+        if self.shm_lane_bytes and not (
+            lanes.MIN_BYTES <= self.shm_lane_bytes <= lanes.MAX_BYTES and self.shm_lane_bytes % 64 == 0
+        ):
+            raise ConfigError(
+                f"shm_lane_bytes={self.shm_lane_bytes} must be 0 or a multiple of 64 between "
+                f"{lanes.MIN_BYTES} and {lanes.MAX_BYTES}"
+            )
+        if not 0 <= self.spin_us <= 10_000:
+            raise ConfigError(f"spin_us={self.spin_us!r} must be between 0 and 10000 microseconds")
         for name in ("timeout_s", "connect_timeout_s", "keepalive_s", "slow_warning_s"):
             value = getattr(self, name)
             if not value > 0:
@@ -198,7 +216,7 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
-        ``EDL_SHM_SLOTS``, ``EDL_DATA_SOCKET`` (0 or 1) and TLS."""
+        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_SPIN_US``, ``EDL_DATA_SOCKET`` (0 or 1) and TLS."""
         kwargs: Dict[str, Any] = {"tls": TLSConfig.from_env(env)}
         for var, name in (("EDL_SHARED_MEMORY", "shared_memory"), ("EDL_DATA_SOCKET", "data_socket")):
             flag = env.get(var)
@@ -216,6 +234,8 @@ class TransportOptions:
             ("EDL_SLOW_WARNING", "slow_warning_s", float),
             ("EDL_SHM_SLOT_SIZE", "shm_slot_size", int),
             ("EDL_SHM_SLOTS", "shm_slots", int),
+            ("EDL_SHM_LANE_BYTES", "shm_lane_bytes", int),
+            ("EDL_SPIN_US", "spin_us", float),
         ):
             if env.get(var):
                 try:

@@ -162,6 +162,20 @@ class OutboundStream:
         """Whether this stream's frames go over a direct data socket."""
         return self._attached
 
+    def try_lane(self, header: peer_pb2.MessageHeader, payload: memoryview) -> bool:
+        """Writes a small message into the lane of this stream's arena, in the caller's thread.
+
+        False, writing nothing, when the stream has no lane in use (no arena, the peer did
+        not map it or has not answered yet, the stream ended) or the message does not fit
+        now: then :meth:`submit` it.
+        """
+        arena = self._arena
+        if arena is None or arena.lane is None or not self._arena_accepted or self._error is not None:
+            return False
+        if self._closing:
+            return False
+        return arena.lane.try_send(header.SerializeToString(), payload)
+
     def submit(self, message: OutgoingMessage) -> None:
         """Queues ``message``; never blocks.
 
@@ -456,6 +470,10 @@ class MessageWriter(Protocol):
 
 
 class StreamReceiver(Protocol):
+    """Where one stream's messages go. A receiver that reads lanes also has
+    ``attach_lane(lane: ReceiveLane)``: it then reads the messages the sender put
+    in the lane of the stream's arena itself, and before it handles ``on_closed``."""
+
     def on_header(self, header: peer_pb2.MessageHeader) -> MessageWriter:
         """A message begins; returns where its bytes go."""
 
@@ -532,6 +550,9 @@ class PeerService:
             if hello.HasField("shared_memory"):
                 arena, answer.shared_memory_refusal = ReceiveArena.open(self._shared_memory_dir, hello.shared_memory)
                 answer.shared_memory_accepted = arena is not None
+                attach_lane = getattr(receiver, "attach_lane", None)  # receivers that read lanes have it
+                if arena is not None and arena.lane is not None and attach_lane is not None:
+                    attach_lane(arena.lane)
             if hello.data_socket and self._data_sockets is not None:
                 ticket = self._data_sockets.expect(source=grpc_peer_host(context.peer()))
                 answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket

@@ -10,7 +10,10 @@ sender's file and not one of the same name elsewhere. From then on the sender
 copies each chunk into a free slot and sends a small ``SharedChunk`` frame
 naming it; the receiver reduces or copies straight out of the slot and hands
 it back. Every signal still travels on the gRPC stream, so a dead peer breaks
-the stream and fails collectives exactly as without shared memory.
+the stream and fails collectives exactly as without shared memory. Small
+messages skip the frames and the transport's threads altogether: the arena
+also holds a *lane* (:mod:`.lanes`) that the sending and the receiving
+callers write and read themselves.
 
 Both sides unlink the file as soon as the receiver has mapped it (or refused
 it), so the memory goes away with the last process that maps it, even when a
@@ -32,6 +35,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from elasticdl_strategy.transport import lanes
+from elasticdl_strategy.transport.lanes import ReceiveLane, SendLane
 from elasticdl_strategy.transport.protos import peer_pb2
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,11 @@ MAX_SLOT_SIZE = 64 << 20
 # An arena still named after this long was abandoned: offers are answered (and the file
 # unlinked) within seconds, and a receiver that maps one later just finds it gone and refuses.
 STALE_AFTER_S = 600.0
+
+
+def _arena_bytes(slots: int, slot_size: int, lane_bytes: int) -> int:
+    """The file's size: the header page, the lane (if any), the slots."""
+    return _HEADER_BYTES + lane_bytes + slots * slot_size
 
 
 def _unlink(path: str) -> None:
@@ -92,29 +102,33 @@ class SendArena:
             space): callers fall back to sending the bytes over gRPC.
     """
 
-    def __init__(self, directory: str, slots: int, slot_size: int):
+    def __init__(self, directory: str, slots: int, slot_size: int, lane_bytes: int = 0):
         remove_stale_arenas(directory)
         self.slots = slots
         self.slot_size = slot_size
+        self.lane_bytes = lane_bytes
         self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self._path = os.path.join(directory, self.name)
         self.nonce = secrets.token_bytes(_NONCE_BYTES)
+        size = _arena_bytes(slots, slot_size, lane_bytes)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, _HEADER_BYTES + slots * slot_size)
-            self._map = mmap.mmap(fd, _HEADER_BYTES + slots * slot_size)
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
         except OSError:
             _unlink(self._path)
             raise
         finally:
             os.close(fd)
         self._map[:_NONCE_BYTES] = self.nonce
-        self._slots = [
-            np.frombuffer(self._map, np.uint8, slot_size, _HEADER_BYTES + i * slot_size) for i in range(slots)
-        ]
+        first = _HEADER_BYTES + lane_bytes
+        self._slots = [np.frombuffer(self._map, np.uint8, slot_size, first + i * slot_size) for i in range(slots)]
+        self.lane = SendLane(self._map, _HEADER_BYTES, lane_bytes) if lane_bytes else None
 
     def offer(self) -> peer_pb2.SharedMemoryOffer:
-        return peer_pb2.SharedMemoryOffer(name=self.name, nonce=self.nonce, slots=self.slots, slot_size=self.slot_size)
+        return peer_pb2.SharedMemoryOffer(
+            name=self.name, nonce=self.nonce, slots=self.slots, slot_size=self.slot_size, lane_bytes=self.lane_bytes
+        )
 
     def fill(self, slot: int, data: memoryview) -> int:
         """Copies ``data`` (at most one slot) into ``slot``; returns its length."""
@@ -130,10 +144,12 @@ class SendArena:
 class ReceiveArena:
     """The receiver's side: a read-only mapping of a sender's arena."""
 
-    def __init__(self, mapping: mmap.mmap, slots: int, slot_size: int):
+    def __init__(self, mapping: mmap.mmap, slots: int, slot_size: int, lane_bytes: int = 0):
         self._map = mapping
         self.slots = slots
         self.slot_size = slot_size
+        self._first_slot = _HEADER_BYTES + lane_bytes
+        self.lane = ReceiveLane(mapping, _HEADER_BYTES, lane_bytes) if lane_bytes else None
         self._consumed: List[int] = []
         # Slots are handed back in batches of half the arena: one reply (a gRPC message, on the
         # receiving thread's path) per batch instead of per slot. It cannot stall the sender: a
@@ -149,16 +165,21 @@ class ReceiveArena:
             return None, f"invalid arena name {offer.name[:80]!r}"
         if not (0 < offer.slots <= MAX_SLOTS and 0 < offer.slot_size <= MAX_SLOT_SIZE and offer.slot_size % 64 == 0):
             return None, f"invalid arena geometry ({offer.slots} slots of {offer.slot_size} bytes)"
+        lane_bytes = offer.lane_bytes
+        if lane_bytes and not (lanes.MIN_BYTES <= lane_bytes <= lanes.MAX_BYTES and lane_bytes % 64 == 0):
+            return None, f"invalid lane of {lane_bytes} bytes"
         path = os.path.join(directory, offer.name)
-        size = _HEADER_BYTES + offer.slots * offer.slot_size
+        size = _arena_bytes(offer.slots, offer.slot_size, lane_bytes)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # A lane's reader writes back how far it has read: then the mapping is writable.
+            fd = os.open(path, os.O_RDWR if lane_bytes else os.O_RDONLY)
         except OSError as e:
             return None, f"cannot open {path}: {e.strerror} (not the same host or memory volume)"
         try:
             if os.fstat(fd).st_size != size:
                 return None, f"{path} has the wrong size"
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if lane_bytes else 0)
+            mapping = mmap.mmap(fd, size, prot=prot)
         except OSError as e:
             return None, f"cannot map {path}: {e.strerror}"
         finally:
@@ -167,7 +188,7 @@ class ReceiveArena:
             mapping.close()
             return None, f"{path} is not the sender's arena (another host's file of the same name?)"
         _unlink(path)
-        return cls(mapping, offer.slots, offer.slot_size), ""
+        return cls(mapping, offer.slots, offer.slot_size, lane_bytes), ""
 
     def view(self, chunk: peer_pb2.SharedChunk) -> memoryview:
         """The bytes of ``chunk``; valid until the slot is released.
@@ -177,7 +198,7 @@ class ReceiveArena:
         """
         if not (chunk.slot < self.slots and chunk.nbytes <= self.slot_size):
             raise ValueError(f"shared chunk (slot {chunk.slot}, {chunk.nbytes} bytes) is outside the arena")
-        start = _HEADER_BYTES + chunk.slot * self.slot_size
+        start = self._first_slot + chunk.slot * self.slot_size
         return memoryview(self._map)[start : start + chunk.nbytes]
 
     def consumed(self, slot: int) -> List[int]:
@@ -189,6 +210,7 @@ class ReceiveArena:
         return batch
 
     def close(self) -> None:
+        self.lane = None
         try:
             self._map.close()
         except BufferError:

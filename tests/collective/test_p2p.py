@@ -181,3 +181,94 @@ def test_sends_to_a_peer_declared_failed_fail_at_once_even_while_stuck_on_its_co
         stalled.release.set()
         sender.close(timeout=2.0)
         server.stop(grace=0.2)
+
+
+@pytest.fixture
+def shm_pair():
+    cluster = ThreadCluster(2, transport_options("shared-memory", timeout_s=10))
+    a, b = p2p(cluster, 0), p2p(cluster, 1)
+    a.send(np.zeros(1 << 20, np.uint8), dst=1)  # opens the stream; the lane is used from its answer on
+    b.recv(0)
+    wait_for(lambda: a.shared_memory_peers == [1], "the peer mapped the arena")
+    yield cluster, a, b
+    cluster.close()
+
+
+def wait_for(condition, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.01)  # polling the condition
+
+
+def asleep_in_futex(native_id: int) -> bool:
+    with open(f"/proc/self/task/{native_id}/wchan") as f:
+        return "futex" in f.read()
+
+
+def test_small_messages_take_the_lane_and_stay_in_order_with_large_ones_on_the_stream(shm_pair):
+    _, a, b = shm_pair
+    before = a.lane_messages_sent
+    sizes = [8, 300_000, 16, 2_000_000, 4096, 1, 70_000]  # small ones in the lane, large ones on the stream
+    for i, n in enumerate(sizes):
+        a.send(np.full(n, i, np.uint8), dst=1, tag=3)
+    for i, n in enumerate(sizes):
+        np.testing.assert_array_equal(b.recv(0, tag=3), np.full(n, i, np.uint8))
+    assert a.lane_messages_sent - before == 5
+
+
+def test_a_receive_asleep_on_the_lane_wakes_for_its_message(shm_pair):
+    _, a, b = shm_pair
+    got, ids = [], []
+
+    def receive():
+        ids.append(threading.get_native_id())
+        got.append((b.recv(0, tag=4), time.monotonic()))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    wait_for(lambda: ids and asleep_in_futex(ids[0]), "the receiver sleeps on the lane's doorbell")
+    sent = time.monotonic()
+    a.send(np.arange(10), dst=1, tag=4)
+    receiver.join(timeout=10)
+    np.testing.assert_array_equal(got[0][0], np.arange(10))
+    assert got[0][1] - sent < 1.0
+
+
+def test_a_receive_asleep_on_the_lane_fails_at_once_when_its_peer_fails(shm_pair):
+    _, _, b = shm_pair
+    outcome, ids = [], []
+
+    def receive():
+        ids.append(threading.get_native_id())
+        try:
+            b.recv(0, tag=5)
+        except PeerFailureError as e:
+            outcome.append((e, time.monotonic()))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    wait_for(lambda: ids and asleep_in_futex(ids[0]), "the receiver sleeps on the lane's doorbell")
+    failed = time.monotonic()
+    b.peer_failed(0, "its stream broke")
+    receiver.join(timeout=10)
+    assert outcome and "its stream broke" in str(outcome[0][0]) and outcome[0][1] - failed < 1.0
+
+
+def test_a_receive_on_the_lane_times_out_and_withdraws(shm_pair):
+    _, a, b = shm_pair
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError):
+        b.recv(0, tag=6, timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 2.0
+    a.send(np.array([7]), dst=1, tag=6)  # the withdrawn receive's message goes to the next one
+    np.testing.assert_array_equal(b.recv(0, tag=6), [7])
+
+
+def test_messages_in_the_lane_still_arrive_when_their_sender_leaves_right_after(shm_pair):
+    cluster, a, b = shm_pair
+    for i in range(50):
+        a.send(np.full(100, i), dst=1, tag=8)
+    a.close(timeout=5)  # its goodbye travels on the stream, after the messages it left in the lane
+    for i in range(50):
+        np.testing.assert_array_equal(b.recv(0, tag=8), np.full(100, i))

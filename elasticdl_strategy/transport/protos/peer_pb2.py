@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.elasticdl_strategy/transport/protos/peer.proto\x12\x17\x65lasticdl_strategy.peer\"\xa6\x01\n\x0bStreamHello\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x41\n\rshared_memory\x18\x04 \x01(\x0b\x32*.elasticdl_strategy.peer.SharedMemoryOffer\x12\x13\n\x0b\x64\x61ta_socket\x18\x05 \x01(\x08\"R\n\x11SharedMemoryOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tslot_size\x18\x04 \x01(\x04\"+\n\x0bSharedChunk\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"\x88\x01\n\x14\x43ollectiveDescriptor\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\treduce_op\x18\x05 \x01(\t\x12\x0c\n\x04root\x18\x06 \x01(\x05\x12\x13\n\x0b\x63ompression\x18\x07 \x01(\t\"\x95\x02\n\rMessageHeader\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\x05\x12\x0b\n\x03tag\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nchunk_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x13\n\x0binline_data\x18\x08 \x01(\x0c\x12\x41\n\ncollective\x18\t \x01(\x0b\x32-.elasticdl_strategy.peer.CollectiveDescriptor\x12:\n\x0cshared_chunk\x18\n \x01(\x0b\x32$.elasticdl_strategy.peer.SharedChunk\"\xa5\x02\n\x05\x46rame\x12\x35\n\x05hello\x18\x01 \x01(\x0b\x32$.elasticdl_strategy.peer.StreamHelloH\x00\x12\x38\n\x06header\x18\x02 \x01(\x0b\x32&.elasticdl_strategy.peer.MessageHeaderH\x00\x12\x10\n\x05\x63hunk\x18\x80\x10 \x01(\x0cH\x00\x12\x33\n\x07goodbye\x18\x04 \x01(\x0b\x32 .elasticdl_strategy.peer.GoodbyeH\x00\x12<\n\x0cshared_chunk\x18\x05 \x01(\x0b\x32$.elasticdl_strategy.peer.SharedChunkH\x00\x12\x1e\n\x14\x64\x61ta_socket_attached\x18\x06 \x01(\x08H\x00\x42\x06\n\x04kind\"O\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32%.elasticdl_strategy.peer.AbortRequest\"\x9c\x01\n\rTransferReply\x12\x1e\n\x16shared_memory_accepted\x18\x01 \x01(\x08\x12\x1d\n\x15shared_memory_refusal\x18\x02 \x01(\t\x12\x16\n\x0ereleased_slots\x18\x03 \x03(\r\x12\x18\n\x10\x64\x61ta_socket_port\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x61ta_socket_ticket\x18\x05 \x01(\x0c\"i\n\x0c\x41\x62ortRequest\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x03(\x05\"\x0f\n\rAbortResponse2\xb6\x01\n\x04Peer\x12V\n\x08Transfer\x12\x1e.elasticdl_strategy.peer.Frame\x1a&.elasticdl_strategy.peer.TransferReply(\x01\x30\x01\x12V\n\x05\x41\x62ort\x12%.elasticdl_strategy.peer.AbortRequest\x1a&.elasticdl_strategy.peer.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.elasticdl_strategy/transport/protos/peer.proto\x12\x17\x65lasticdl_strategy.peer\"\xa6\x01\n\x0bStreamHello\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x41\n\rshared_memory\x18\x04 \x01(\x0b\x32*.elasticdl_strategy.peer.SharedMemoryOffer\x12\x13\n\x0b\x64\x61ta_socket\x18\x05 \x01(\x08\"f\n\x11SharedMemoryOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tslot_size\x18\x04 \x01(\x04\x12\x12\n\nlane_bytes\x18\x05 \x01(\x04\"+\n\x0bSharedChunk\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"\x88\x01\n\x14\x43ollectiveDescriptor\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x11\n\treduce_op\x18\x05 \x01(\t\x12\x0c\n\x04root\x18\x06 \x01(\x05\x12\x13\n\x0b\x63ompression\x18\x07 \x01(\t\"\x95\x02\n\rMessageHeader\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\x05\x12\x0b\n\x03tag\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nchunk_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x13\n\x0binline_data\x18\x08 \x01(\x0c\x12\x41\n\ncollective\x18\t \x01(\x0b\x32-.elasticdl_strategy.peer.CollectiveDescriptor\x12:\n\x0cshared_chunk\x18\n \x01(\x0b\x32$.elasticdl_strategy.peer.SharedChunk\"\xa5\x02\n\x05\x46rame\x12\x35\n\x05hello\x18\x01 \x01(\x0b\x32$.elasticdl_strategy.peer.StreamHelloH\x00\x12\x38\n\x06header\x18\x02 \x01(\x0b\x32&.elasticdl_strategy.peer.MessageHeaderH\x00\x12\x10\n\x05\x63hunk\x18\x80\x10 \x01(\x0cH\x00\x12\x33\n\x07goodbye\x18\x04 \x01(\x0b\x32 .elasticdl_strategy.peer.GoodbyeH\x00\x12<\n\x0cshared_chunk\x18\x05 \x01(\x0b\x32$.elasticdl_strategy.peer.SharedChunkH\x00\x12\x1e\n\x14\x64\x61ta_socket_attached\x18\x06 \x01(\x08H\x00\x42\x06\n\x04kind\"O\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x34\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32%.elasticdl_strategy.peer.AbortRequest\"\x9c\x01\n\rTransferReply\x12\x1e\n\x16shared_memory_accepted\x18\x01 \x01(\x08\x12\x1d\n\x15shared_memory_refusal\x18\x02 \x01(\t\x12\x16\n\x0ereleased_slots\x18\x03 \x03(\r\x12\x18\n\x10\x64\x61ta_socket_port\x18\x04 \x01(\r\x12\x1a\n\x12\x64\x61ta_socket_ticket\x18\x05 \x01(\x0c\"i\n\x0c\x41\x62ortRequest\x12\x10\n\x08src_rank\x18\x01 \x01(\x05\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05ranks\x18\x05 \x03(\x05\"\x0f\n\rAbortResponse2\xb6\x01\n\x04Peer\x12V\n\x08Transfer\x12\x1e.elasticdl_strategy.peer.Frame\x1a&.elasticdl_strategy.peer.TransferReply(\x01\x30\x01\x12V\n\x05\x41\x62ort\x12%.elasticdl_strategy.peer.AbortRequest\x1a&.elasticdl_strategy.peer.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMHELLO']._serialized_start=76
   _globals['_STREAMHELLO']._serialized_end=242
   _globals['_SHAREDMEMORYOFFER']._serialized_start=244
-  _globals['_SHAREDMEMORYOFFER']._serialized_end=326
-  _globals['_SHAREDCHUNK']._serialized_start=328
-  _globals['_SHAREDCHUNK']._serialized_end=371
-  _globals['_COLLECTIVEDESCRIPTOR']._serialized_start=374
-  _globals['_COLLECTIVEDESCRIPTOR']._serialized_end=510
-  _globals['_MESSAGEHEADER']._serialized_start=513
-  _globals['_MESSAGEHEADER']._serialized_end=790
-  _globals['_FRAME']._serialized_start=793
-  _globals['_FRAME']._serialized_end=1086
-  _globals['_GOODBYE']._serialized_start=1088
-  _globals['_GOODBYE']._serialized_end=1167
-  _globals['_TRANSFERREPLY']._serialized_start=1170
-  _globals['_TRANSFERREPLY']._serialized_end=1326
-  _globals['_ABORTREQUEST']._serialized_start=1328
-  _globals['_ABORTREQUEST']._serialized_end=1433
-  _globals['_ABORTRESPONSE']._serialized_start=1435
-  _globals['_ABORTRESPONSE']._serialized_end=1450
-  _globals['_PEER']._serialized_start=1453
-  _globals['_PEER']._serialized_end=1635
+  _globals['_SHAREDMEMORYOFFER']._serialized_end=346
+  _globals['_SHAREDCHUNK']._serialized_start=348
+  _globals['_SHAREDCHUNK']._serialized_end=391
+  _globals['_COLLECTIVEDESCRIPTOR']._serialized_start=394
+  _globals['_COLLECTIVEDESCRIPTOR']._serialized_end=530
+  _globals['_MESSAGEHEADER']._serialized_start=533
+  _globals['_MESSAGEHEADER']._serialized_end=810
+  _globals['_FRAME']._serialized_start=813
+  _globals['_FRAME']._serialized_end=1106
+  _globals['_GOODBYE']._serialized_start=1108
+  _globals['_GOODBYE']._serialized_end=1187
+  _globals['_TRANSFERREPLY']._serialized_start=1190
+  _globals['_TRANSFERREPLY']._serialized_end=1346
+  _globals['_ABORTREQUEST']._serialized_start=1348
+  _globals['_ABORTREQUEST']._serialized_end=1453
+  _globals['_ABORTRESPONSE']._serialized_start=1455
+  _globals['_ABORTRESPONSE']._serialized_end=1470
+  _globals['_PEER']._serialized_start=1473
+  _globals['_PEER']._serialized_end=1655
 # @@protoc_insertion_point(module_scope)

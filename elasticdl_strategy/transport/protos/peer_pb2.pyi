@@ -21,16 +21,18 @@ class StreamHello(_message.Message):
     def __init__(self, src_rank: _Optional[int] = ..., membership_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., data_socket: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryOffer(_message.Message):
-    __slots__ = ("name", "nonce", "slots", "slot_size")
+    __slots__ = ("name", "nonce", "slots", "slot_size", "lane_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     nonce: bytes
     slots: int
     slot_size: int
-    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., slots: _Optional[int] = ..., slot_size: _Optional[int] = ...) -> None: ...
+    lane_bytes: int
+    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., slots: _Optional[int] = ..., slot_size: _Optional[int] = ..., lane_bytes: _Optional[int] = ...) -> None: ...
 
 class SharedChunk(_message.Message):
     __slots__ = ("slot", "nbytes")

@@ -1,0 +1,102 @@
+"""Lanes: the ring of small messages in an arena, written and read by the callers' threads."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.transport import futex
+from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
+
+pytestmark = pytest.mark.skipif(not futex.AVAILABLE, reason="lanes need Linux on x86-64")
+
+LANE = 64 << 10
+
+
+@pytest.fixture
+def lane_pair(tmp_path):
+    sender = SendArena(str(tmp_path), 2, 64 << 10, lane_bytes=LANE)
+    receiver, refusal = ReceiveArena.open(str(tmp_path), sender.offer())
+    assert receiver is not None, refusal
+    yield sender.lane, receiver.lane
+    receiver.close()
+
+
+def read_all(lane):
+    records = []
+    while (record := lane.next_record()) is not None:
+        header, payload, end = record
+        records.append((bytes(header), bytes(payload)))
+        lane.release(end)
+    return records
+
+
+def test_records_arrive_whole_and_in_order_across_many_wraps(lane_pair):
+    send, receive = lane_pair
+    rng = np.random.default_rng(0)
+    sent = []
+    for i in range(2000):  # about 30 times round the ring
+        payload = rng.bytes(int(rng.integers(0, 2000)))
+        header = f"message {i}".encode()
+        assert send.try_send(header, memoryview(payload))
+        sent.append((header, payload))
+        if i % 7 == 0:
+            assert read_all(receive) == sent[: len(sent)]
+            sent.clear()
+    assert read_all(receive) == sent
+
+
+def test_a_full_lane_or_a_large_message_is_refused_and_nothing_is_written(lane_pair):
+    send, receive = lane_pair
+    assert not send.try_send(b"h", memoryview(bytes(LANE // 4)))  # more than a quarter of the ring
+    chunk = bytes(LANE // 4 - 64)
+    accepted = 0
+    while send.try_send(b"h", memoryview(chunk)):
+        accepted += 1
+    assert accepted == 4  # no more fits until the reader releases
+    records = read_all(receive)
+    assert len(records) == 4 and all(p == chunk for _, p in records)
+    assert send.try_send(b"again", memoryview(chunk))  # the space came back
+    assert read_all(receive) == [(b"again", chunk)]
+
+
+def test_a_record_that_does_not_fit_the_lane_is_reported(lane_pair):
+    send, receive = lane_pair
+    assert send.try_send(b"header", memoryview(b"payload"))
+    np.frombuffer(receive._ring.data, np.uint32)[0] = LANE  # a size larger than any record
+    with pytest.raises(ValueError, match="does not fit the lane"):
+        receive.next_record()
+
+
+def _asleep_in_futex(native_id: int) -> bool:
+    with open(f"/proc/self/task/{native_id}/wchan") as f:
+        return "futex" in f.read()
+
+
+def test_a_sleeping_reader_wakes_when_a_record_is_written(lane_pair):
+    send, receive = lane_pair
+    seen = receive.doorbell
+    woke, ids = [], []
+    reader = threading.Thread(
+        target=lambda: (ids.append(threading.get_native_id()), receive.wait(seen, 10.0), woke.append(time.monotonic()))
+    )
+    reader.start()
+    deadline = time.monotonic() + 5
+    while not (ids and _asleep_in_futex(ids[0])):  # the reader sleeps in the kernel, on the doorbell
+        assert time.monotonic() < deadline, "the reader did not go to sleep"
+        time.sleep(0.01)
+    sent = time.monotonic()
+    assert send.try_send(b"h", memoryview(b"x"))
+    reader.join(timeout=5)
+    assert woke and woke[0] - sent < 1.0
+    assert read_all(receive) == [(b"h", b"x")]
+
+
+def test_a_ring_between_looking_and_sleeping_is_not_lost(lane_pair):
+    _, receive = lane_pair
+    seen = receive.doorbell
+    receive.ring()  # as a completion on another thread would, after the look and before the sleep
+    started = time.monotonic()
+    receive.wait(seen, 5.0)
+    assert time.monotonic() - started < 0.5
