@@ -25,7 +25,7 @@ EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 
 EDL_SHM_LANE_BYTES         bytes of each arena's lane for small messages (default
                            1 MiB; 0: no lanes)
 EDL_SPIN_US                microseconds a caller polls a lane before it sleeps
-                           (default 50; 0: sleep at once)
+                           (default 200; 0: sleep at once)
 EDL_DATA_SOCKET            1 (default): streams not in shared memory move their
                            frames to a direct TCP data socket; 0: gRPC only
 EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)

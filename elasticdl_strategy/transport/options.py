@@ -106,6 +106,14 @@ class TLSConfig:
         return env
 
 
+def _workers_on_host(env: Mapping[str, str]) -> int:
+    """``EDL_LOCAL_SIZE`` (the launcher's worker slots on this host), 1 when unset or not a number."""
+    try:
+        return max(1, int(env.get("EDL_LOCAL_SIZE") or 1))
+    except ValueError:
+        return 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TransportOptions:
     """How workers talk to each other.
@@ -132,7 +140,10 @@ class TransportOptions:
             A message goes there when it fits in a quarter of it.
         spin_us: how long a caller waiting for a message on a lane looks
             for it again and again before it sleeps until woken (a sleep and
-            its wake-up cost tens of microseconds); 0: sleep at once.
+            its wake-up cost tens of microseconds); 0: sleep at once. From the
+            environment (``EDL_SPIN_US`` unset): 200, or 0 when the workers of
+            this host (``EDL_LOCAL_SIZE``) outnumber its cores, where a caller
+            that spins takes the core its peer needs to answer.
         data_socket: move each stream's frames to a direct TCP connection
             that the stream sets up and authenticates: between hosts it
             carries the payloads too; with shared memory, the small frames
@@ -152,7 +163,7 @@ class TransportOptions:
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
     shm_lane_bytes: int = 1 * MiB
-    spin_us: float = 50.0
+    spin_us: float = 200.0
     data_socket: bool = True
 
     def __post_init__(self) -> None:
@@ -242,4 +253,6 @@ class TransportOptions:
                     kwargs[name] = kind(env[var])
                 except ValueError:
                     raise ConfigError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+        if "spin_us" not in kwargs and _workers_on_host(env) > len(os.sched_getaffinity(0)):
+            kwargs["spin_us"] = 0.0
         return cls(**kwargs)

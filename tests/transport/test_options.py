@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from elasticdl_strategy.errors import ConfigError
@@ -12,6 +14,8 @@ from elasticdl_strategy.transport.options import MiB, TransportOptions
         ({"inline_threshold": 8 * MiB}, "inline_threshold="),
         ({"timeout_s": 0}, "timeout_s=0"),
         ({"keepalive_s": -1}, "keepalive_s=-1"),
+        ({"shm_lane_bytes": 1000}, "shm_lane_bytes=1000"),
+        ({"spin_us": -1}, "spin_us=-1"),
     ],
 )
 def test_invalid_options_name_the_bad_value(kwargs, message):
@@ -29,3 +33,11 @@ def test_from_env_parses_and_rejects():
     assert TransportOptions.from_env({"EDL_CHUNK_SIZE": str(MiB), "EDL_TIMEOUT": "5"}).timeout_s == 5.0
     with pytest.raises(ConfigError, match="EDL_TIMEOUT='soon'"):
         TransportOptions.from_env({"EDL_TIMEOUT": "soon"})
+
+
+def test_callers_spin_on_lanes_only_while_the_host_has_a_core_per_worker():
+    cores = len(os.sched_getaffinity(0))
+    assert TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores)}).spin_us == 200.0
+    assert TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1)}).spin_us == 0.0
+    assert TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1), "EDL_SPIN_US": "50"}).spin_us == 50.0
+    assert TransportOptions.from_env({"EDL_SHM_LANE_BYTES": "0"}).shm_lane_bytes == 0
