@@ -88,6 +88,10 @@ class WideningReduceSink(Sink):
         self._wire_name = dtype_name(self._wire_dtype)
         self._halves: Dict[int, Tuple[int, bytes]] = {}  # element index -> (byte offset, the byte)
 
+    @property
+    def expected_nbytes(self) -> Optional[int]:
+        return self._acc.size * self._wire_dtype.itemsize
+
     def begin(self, src: int, header: peer_pb2.MessageHeader) -> None:
         expected = self._acc.size * self._wire_dtype.itemsize
         if header.nbytes != expected or (header.dtype and header.dtype != self._wire_name):

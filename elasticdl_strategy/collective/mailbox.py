@@ -49,6 +49,11 @@ class Sink:
     def result(self):
         return None
 
+    @property
+    def expected_nbytes(self) -> Optional[int]:
+        """The size of the message this sink takes, when known before it arrives."""
+        return None
+
 
 class ArraySink(Sink):
     """Receives into ``out`` (checked against the message) or into a new array shaped by the header."""
@@ -81,6 +86,10 @@ class ArraySink(Sink):
         assert self._out is not None, "a receive completes after its header"
         return self._out
 
+    @property
+    def expected_nbytes(self) -> Optional[int]:
+        return self._out.nbytes if self._out is not None else None
+
     def _started(self) -> np.ndarray:
         assert self._bytes is not None, "bytes arrive after the header (begin)"
         return self._bytes
@@ -102,6 +111,10 @@ class ReduceSink(Sink):
                 ranks=(src, self._rank),
                 rank=self._rank,
             )
+
+    @property
+    def expected_nbytes(self) -> Optional[int]:
+        return self._acc.nbytes
 
     def write(self, offset: int, data: memoryview) -> None:
         itemsize = self._acc.itemsize

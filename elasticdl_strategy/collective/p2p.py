@@ -46,6 +46,8 @@ COLLECTIVE_CHANNEL = 1
 _LANE_WAIT_SLICE_S = 0.5
 # A receive from a peer without a lane looks this often whether one appeared (its stream opened).
 _NO_LANE_SLICE_S = 0.02
+# A lane takes messages up to a quarter of it, header included: about this much is headers.
+_LANE_HEADER_ALLOWANCE = 1024
 _DONE: futures.Future = futures.Future()  # the future of every send that completed in the caller
 _DONE.set_result(None)
 
@@ -292,6 +294,9 @@ class PointToPoint:
         if inbound is not None:
             inbound.read_lane()  # what already arrived there, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
+        progress = None
+        if self._lanes_possible:
+            progress = functools.partial(self._wait_reading_lane, src, self._spins_for(sink))
         return Request(
             future,
             lambda: f"receive from rank {src} (tag {tag})",
@@ -299,8 +304,16 @@ class PointToPoint:
             self.options.timeout_s,
             self.rank,
             cancel=lambda error: self.mailbox.cancel(key, error),
-            progress=functools.partial(self._wait_reading_lane, src) if self._lanes_possible else None,
+            progress=progress,
         )
+
+    def _spins_for(self, sink: Sink) -> float:
+        """How long to spin for a message ``sink`` takes: ``spin_us`` if it may come by a lane, else 0 (a
+        spinning caller holds the GIL that the stream's thread needs to deliver a large message)."""
+        expected = sink.expected_nbytes
+        if expected is not None and expected > self.options.shm_lane_bytes // 4 - _LANE_HEADER_ALLOWANCE:
+            return 0.0
+        return self.options.spin_us * 1e-6
 
     def recv(
         self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None
@@ -316,10 +329,10 @@ class PointToPoint:
             request.cancel()
             raise
 
-    def _wait_reading_lane(self, src: int, future: futures.Future, timeout: float):
+    def _wait_reading_lane(self, src: int, spin_s: float, future: futures.Future, timeout: float):
         """Waits for a receive from ``src``, reading ``src``'s lane in this thread meanwhile.
 
-        Looks again and again for ``spin_us``, then sleeps on the lane's doorbell, which the
+        Looks again and again for ``spin_s``, then sleeps on the lane's doorbell, which the
         sender rings after each message and this process when the receive completes another
         way (its message came on the stream, or the stream ended and failed it).
 
@@ -327,7 +340,7 @@ class PointToPoint:
             futures.TimeoutError: not complete within ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        spin_until = time.monotonic() + self.options.spin_us * 1e-6
+        spin_until = time.monotonic() + spin_s
         rings_on_completion = False
         while True:
             inbound = self._lanes.get(src)

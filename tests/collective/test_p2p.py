@@ -208,8 +208,9 @@ def asleep_in_futex(native_id: int) -> bool:
 
 def test_small_messages_take_the_lane_and_stay_in_order_with_large_ones_on_the_stream(shm_pair):
     _, a, b = shm_pair
-    before = a.lane_messages_sent
-    sizes = [8, 300_000, 16, 2_000_000, 4096, 1, 70_000]  # small ones in the lane, large ones on the stream
+    before, quarter = a.lane_messages_sent, a.options.shm_lane_bytes // 4
+    # Small ones in the lane (up to a quarter of it), large ones on the stream.
+    sizes = [8, quarter + 1, 16, 3 * quarter, 4096, 1, quarter // 2]
     for i, n in enumerate(sizes):
         a.send(np.full(n, i, np.uint8), dst=1, tag=3)
     for i, n in enumerate(sizes):
