@@ -84,7 +84,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import RUN_TIMEOUT_S, _describe, _log_tail, _raise_interrupt, _write_json  # noqa: E402
-from setups import run_processes, setup_commands, thread_env  # noqa: E402  (the processes of one setup)
+from setups import make_strategy, run_processes, setup_commands, thread_env  # noqa: E402  (the processes of one setup)
 
 SETUPS = ("ours", "tf", "single")
 NUM_CLASSES = 10
@@ -221,24 +221,6 @@ def build_model(crop: int):
             layers.Dense(NUM_CLASSES),
         ]
     )
-
-
-def make_strategy(setup: str):
-    """(strategy or None, rank, number of workers)."""
-    import tensorflow as tf
-
-    if setup == "single":
-        return None, 0, 1
-    if setup == "tf":
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=tf.distribute.experimental.CommunicationImplementation.RING
-        )
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-        return strategy, int(strategy.cluster_resolver.task_id), strategy.num_replicas_in_sync
-    from elasticdl_strategy import AllReduceStrategy, collective
-
-    strategy = AllReduceStrategy()
-    return strategy, collective.rank(), strategy.num_replicas_in_sync
 
 
 def worker_main(args: argparse.Namespace) -> int:

@@ -81,3 +81,22 @@ def run_processes(commands: Sequence[Command], log: Path, results: Path, timeout
             return wait_all(procs, timeout, results, timeout)
     finally:
         stop(procs)
+
+
+def make_strategy(setup: str, **ours):
+    """(strategy or None, rank, number of workers) in a worker of ``setup``; ``ours``: the arguments
+    of ``AllReduceStrategy`` (e.g. ``bucket_bytes``)."""
+    import tensorflow as tf
+
+    if setup == "single":
+        return None, 0, 1
+    if setup == "tf":
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        )
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        return strategy, int(strategy.cluster_resolver.task_id), strategy.num_replicas_in_sync
+    from elasticdl_strategy import AllReduceStrategy, collective
+
+    strategy = AllReduceStrategy(**ours)
+    return strategy, collective.rank(), strategy.num_replicas_in_sync

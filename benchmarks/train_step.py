@@ -66,7 +66,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import RUN_TIMEOUT_S, _describe, _log_tail, _raise_interrupt, _write_json  # noqa: E402
-from setups import Command, run_processes, setup_commands  # noqa: E402  (the processes of one setup)
+from setups import Command, make_strategy, run_processes, setup_commands  # noqa: E402  (the processes of one setup)
 
 MIB = 1 << 20
 
@@ -160,24 +160,6 @@ def synthetic_batch(name: str, batch: int) -> Tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal((batch, *INPUT_SHAPES[name]), dtype=np.float32)
     y = rng.integers(0, NUM_CLASSES, batch).astype(np.int32)
     return x, y
-
-
-def make_strategy(framework: str, bucket_mib: float = 64):
-    """(strategy or None, rank, number of workers)."""
-    import tensorflow as tf
-
-    if framework == "single":
-        return None, 0, 1
-    if framework == "tf":
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=tf.distribute.experimental.CommunicationImplementation.RING
-        )
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-        return strategy, int(strategy.cluster_resolver.task_id), strategy.num_replicas_in_sync
-    from elasticdl_strategy import AllReduceStrategy, collective
-
-    strategy = AllReduceStrategy(bucket_bytes=bucket_bytes(bucket_mib))
-    return strategy, collective.rank(), strategy.num_replicas_in_sync
 
 
 def bucket_bytes(mib: float) -> int:
@@ -374,7 +356,7 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
 
 def worker_main(args: argparse.Namespace) -> int:
     """Measures every model; rank 0 rewrites ``args.results`` after each one."""
-    strategy, rank, _ = make_strategy(args.worker, args.bucket_mib[0])
+    strategy, rank, _ = make_strategy(args.worker, bucket_bytes=bucket_bytes(args.bucket_mib[0]))
     report: Dict[str, dict] = {"models": {}, "errors": {}}
     for name in args.models:
         try:
