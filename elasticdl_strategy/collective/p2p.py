@@ -71,10 +71,12 @@ class Request:
         rank: int,
         cancel: Optional[Callable[[BaseException], bool]] = None,
         progress: Optional[Callable[[futures.Future, float], Any]] = None,
+        poll: Optional[Callable[[], None]] = None,
     ):
         self._future = future
         self._cancel = cancel
         self._progress = progress  # waits for the future while reading the peer's lane (receives)
+        self._poll = poll  # reads the peer's lane once, without waiting (receives)
         self._describe = describe
         self._peer = peer
         self._default_timeout = default_timeout
@@ -87,6 +89,8 @@ class Request:
 
     def done(self) -> bool:
         """True once the operation completed or failed; never blocks."""
+        if self._poll is not None and not self._future.done():
+            self._poll()  # a message in the peer's lane is only delivered by a reader
         return self._future.done()
 
     def wait(self, timeout: Optional[float] = None):
@@ -290,13 +294,12 @@ class PointToPoint:
         if out is not None and (not isinstance(out, np.ndarray) or not out.flags.c_contiguous):
             raise ConfigError("out must be a C-contiguous numpy array")
         sink = sink or ArraySink(self.rank, out)
-        inbound = self._lanes.get(src)
-        if inbound is not None:
-            inbound.read_lane()  # what already arrived there, before the receive is posted
+        self._read_lane_of(src)  # what already arrived in its lane, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
-        progress = None
+        progress = poll = None
         if self._lanes_possible:
             progress = functools.partial(self._wait_reading_lane, src, self._spins_for(sink))
+            poll = functools.partial(self._read_lane_of, src)
         return Request(
             future,
             lambda: f"receive from rank {src} (tag {tag})",
@@ -305,7 +308,13 @@ class PointToPoint:
             self.rank,
             cancel=lambda error: self.mailbox.cancel(key, error),
             progress=progress,
+            poll=poll,
         )
+
+    def _read_lane_of(self, src: int) -> None:
+        inbound = self._lanes.get(src)
+        if inbound is not None:
+            inbound.read_lane()
 
     def _spins_for(self, sink: Sink) -> float:
         """How long to spin for a message ``sink`` takes: ``spin_us`` if it may come by a lane, else 0 (a

@@ -273,3 +273,13 @@ def test_messages_in_the_lane_still_arrive_when_their_sender_leaves_right_after(
     a.close(timeout=5)  # its goodbye travels on the stream, after the messages it left in the lane
     for i in range(50):
         np.testing.assert_array_equal(b.recv(0, tag=8), np.full(100, i))
+
+
+def test_a_receive_polled_with_done_completes_from_the_lane(shm_pair):
+    _, a, b = shm_pair
+    request = b.irecv(0, tag=9)
+    a.send(np.arange(5), dst=1, tag=9)
+    deadline = time.monotonic() + 5
+    while not request.done():  # only polled: nobody waits, the poll must read the lane
+        assert time.monotonic() < deadline, "done() never saw the message in the lane"
+    np.testing.assert_array_equal(request.wait(timeout=0), np.arange(5))
