@@ -27,6 +27,8 @@ setup(
         "test": [
             "pytest>=9,<10",
             "pytest-timeout>=2.3,<3",
+            # Two test processes, one per core of the 2-core reference machine (a test module stays in one).
+            "pytest-xdist>=3.8,<4",
             "hypothesis>=6.150,<7",
             "grpcio-tools>=1.85.1,<2",
             # The Keras TensorBoard callback's tests (tf.summary needs it).
