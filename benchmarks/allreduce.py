@@ -9,7 +9,7 @@ Usage::
                                    [--mpi-python /usr/bin/python3]
 
 Frameworks:
-    shm     ``collective.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
+    shm     ``runtime.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
             with the defaults: payloads between same-host peers go through the shared-memory arena,
             frames over the data socket. Checked: from the first size >= 256 KiB on, rank 0's
             ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory not used" otherwise)
@@ -229,19 +229,19 @@ class Backend(Protocol):
 
 
 class OursBackend:
-    """``collective.allreduce`` on the data ``path`` (a key of OUR_PATH_ENV) that the environment selected."""
+    """``runtime.allreduce`` on the data ``path`` (a key of OUR_PATH_ENV) that the environment selected."""
 
     def __init__(self, path: str) -> None:
-        from elasticdl_strategy import collective
+        from elasticdl_strategy import runtime
 
         for var, value in OUR_PATH_ENV[path].items():
             if os.environ.get(var) != value:
                 raise RuntimeError(f"{var}={os.environ.get(var)!r} in a {path} worker")
-        self._c = collective
+        self._c = runtime
         self._path = path
         self._large_seen = False
-        collective.init()
-        self.rank, self.size = collective.rank(), collective.size()
+        runtime.init()
+        self.rank, self.size = runtime.rank(), runtime.size()
         self._x = np.zeros(0, np.float32)
 
     def prepare(self, count: int) -> None:

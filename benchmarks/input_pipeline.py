@@ -256,10 +256,10 @@ def worker_main(args: argparse.Namespace) -> int:
         report["error"] = _describe(e)
     _write_json(args.results / f"rank{rank}.json", report)
     if args.worker == "ours":
-        from elasticdl_strategy import collective
+        from elasticdl_strategy import runtime
 
-        collective.barrier()  # nobody leaves while others still communicate
-        collective.shutdown()
+        runtime.barrier()  # nobody leaves while others still communicate
+        runtime.shutdown()
     return 1 if "error" in report else 0
 
 

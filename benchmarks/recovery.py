@@ -137,13 +137,13 @@ class StepWatch:
         self.seconds: Dict[int, List[float]] = {}
 
     def completed(self, step: int, seconds: float) -> None:
-        from elasticdl_strategy import collective
+        from elasticdl_strategy import runtime
 
-        version = collective.current_worker().membership.version
-        size = collective.size()
+        version = runtime.current_worker().membership.version
+        size = runtime.size()
         self.seconds.setdefault(size, []).append(seconds)
         if version != self.version:
-            self.events.write("first_step", version=version, size=size, rank=collective.rank(), step=step)
+            self.events.write("first_step", version=version, size=size, rank=runtime.rank(), step=step)
             self.version = version
 
     def summary(self) -> Dict[str, float]:
@@ -153,24 +153,24 @@ class StepWatch:
 
 def kill_if_targeted(args: argparse.Namespace, events: Events, step: int) -> None:
     """SIGKILLs this process before ``--kill-step`` if it is rank ``--kill-rank`` (once per job)."""
-    from elasticdl_strategy import collective
+    from elasticdl_strategy import runtime
 
     done = args.out / "killed"
-    if step != args.kill_step or collective.rank() != args.kill_rank or done.exists():
+    if step != args.kill_step or runtime.rank() != args.kill_rank or done.exists():
         return
     done.touch()
-    events.write("kill", step=step, rank=collective.rank())
+    events.write("kill", step=step, rank=runtime.rank())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_state(elastic, events: Events, model, optimizer, records):
     """An ``elastic.KerasState`` that also writes a ``sync_start`` event whenever a state sync begins."""
-    from elasticdl_strategy import collective
+    from elasticdl_strategy import runtime
 
     class TimedState(elastic.KerasState):
         def _prepare_sync(self) -> None:
-            version = collective.current_worker().membership.version
-            events.write("sync_start", version=version, size=collective.size())
+            version = runtime.current_worker().membership.version
+            events.write("sync_start", version=version, size=runtime.size())
             super()._prepare_sync()
 
     return TimedState(model, optimizer, records=records, steps=0)
@@ -182,15 +182,15 @@ def worker_main(args: argparse.Namespace) -> int:
     import keras
     import tensorflow as tf  # noqa: F401  (imported before the ready time: not part of the join latency)
 
-    from elasticdl_strategy import AllReduceStrategy, collective, data, elastic
+    from elasticdl_strategy import AllReduceStrategy, data, elastic, runtime
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", force=True)  # timestamps
     events = Events(args.out, os.environ.get("EDL_WORKER_ID", "local"))
     ready = time.time()
     strategy = AllReduceStrategy()
-    worker = collective.current_worker()
+    worker = runtime.current_worker()
     events.write("ready", when=ready, joined_running_job=worker.joined_running_job)
-    events.write("admitted", version=worker.membership.version, size=collective.size(), rank=collective.rank())
+    events.write("admitted", version=worker.membership.version, size=runtime.size(), rank=runtime.rank())
     with strategy.scope():
         model = build_model(MODEL)
         optimizer = OPTIMIZERS[args.optimizer](keras)(learning_rate=LEARNING_RATE)
@@ -204,10 +204,10 @@ def worker_main(args: argparse.Namespace) -> int:
     def train(state) -> None:
         # Every worker gets here together, with the state just synced from rank 0: they agree on end_at.
         # (Not a state value: a rollback to a commit from before the kill would lose it.)
-        regrown = collective.size() == args.workers and (args.out / "killed").exists()
+        regrown = runtime.size() == args.workers and (args.out / "killed").exists()
         end_at = min(args.max_steps, state.steps + args.steps_after_join) if regrown else args.max_steps
-        events.write("synced", version=collective.current_worker().membership.version, size=collective.size())
-        step = make_step(strategy, model, optimizer, table, args.batch * collective.size())
+        events.write("synced", version=runtime.current_worker().membership.version, size=runtime.size())
+        step = make_step(strategy, model, optimizer, table, args.batch * runtime.size())
         while state.steps < end_at:
             for indices in records.dataset():
                 kill_if_targeted(args, events, state.steps)
@@ -228,7 +228,7 @@ def worker_main(args: argparse.Namespace) -> int:
         state.commit()  # everyone is done with the last step before anyone leaves
 
     train(state)
-    events.write("done", steps=state.steps, size=collective.size(), step_seconds=watch.summary())
+    events.write("done", steps=state.steps, size=runtime.size(), step_seconds=watch.summary())
     return 0
 
 

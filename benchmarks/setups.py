@@ -96,7 +96,7 @@ def make_strategy(setup: str, **ours):
         )
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         return strategy, int(strategy.cluster_resolver.task_id), strategy.num_replicas_in_sync
-    from elasticdl_strategy import AllReduceStrategy, collective
+    from elasticdl_strategy import AllReduceStrategy, runtime
 
     strategy = AllReduceStrategy(**ours)
-    return strategy, collective.rank(), strategy.num_replicas_in_sync
+    return strategy, runtime.rank(), strategy.num_replicas_in_sync

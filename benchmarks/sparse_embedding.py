@@ -39,7 +39,7 @@ def worker(mode: str, out: str, steps: int, repeats: int) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from elasticdl_strategy import AllReduceStrategy, collective
+    from elasticdl_strategy import AllReduceStrategy, runtime
 
     strategy = AllReduceStrategy(sparse_as_dense=mode == "dense")
     rng = np.random.default_rng(0)
@@ -74,19 +74,19 @@ def worker(mode: str, out: str, steps: int, repeats: int) -> None:
 
     for _ in range(2):
         step(*next(batches))  # trace and warm up
-    p2p = collective.communicator().p2p
+    p2p = runtime.communicator().p2p
     windows, sent = [], []
     for _ in range(repeats):
-        collective.barrier()
+        runtime.barrier()
         before, start = p2p.bytes_sent, time.perf_counter()
         for _ in range(steps):
             step(*next(batches))
         windows.append((time.perf_counter() - start) / steps)
         sent.append((p2p.bytes_sent - before) / steps)
-    if collective.rank() == 0:
+    if runtime.rank() == 0:
         with open(out, "w") as f:
             json.dump({"step_s": statistics.median(windows), "bytes_per_step": statistics.median(sent)}, f)
-    collective.shutdown()
+    runtime.shutdown()
 
 
 def main() -> None:

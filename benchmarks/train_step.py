@@ -32,9 +32,9 @@ the parent reads back.
 
 Breakdown of ours, measured beside the training: the gradients travel in buckets of at most
 ``--bucket-mib`` MiB (``AllReduceStrategy(bucket_bytes=...)``), and the bucket all-reduces per
-step are counted (``bridge.counters()``). ``collective.allreduce`` of one float32 buffer of the
+step are counted (``bridge.counters()``). ``runtime.allreduce`` of one float32 buffer of the
 parameter count is timed the same way as the steps; compute and the rest ~ step time - that.
-The bytes this rank sent per training step (``collective.stats()``) confirm the size. The
+The bytes this rank sent per training step (``runtime.stats()``) confirm the size. The
 bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function`` with an
 identity function, on a tensor of the parameter count and on a 1-element one.
 
@@ -271,17 +271,17 @@ def measure_bridge(count: int, steps: int, repeats: int, warmup: int) -> List[fl
 
 
 def measure_ours_allreduce(count: int, steps: int, repeats: int, warmup: int) -> List[float]:
-    """Seconds per ``collective.allreduce`` of ``count`` float32, in place (zeros: the sums stay finite)."""
-    from elasticdl_strategy import collective
+    """Seconds per ``runtime.allreduce`` of ``count`` float32, in place (zeros: the sums stay finite)."""
+    from elasticdl_strategy import runtime
 
     buffer = np.zeros(count, np.float32)
 
     def call() -> None:
-        collective.allreduce(buffer, op="sum", out=buffer)
+        runtime.allreduce(buffer, op="sum", out=buffer)
 
     for _ in range(warmup):
         call()
-    collective.barrier()
+    runtime.barrier()
     return window_seconds(call, steps, repeats)
 
 
@@ -300,7 +300,7 @@ def measure_model(framework: str, name: str, strategy, args: argparse.Namespace)
 
 def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
     """Every variant of ours in these processes, timed in interleaved windows; then the breakdown."""
-    from elasticdl_strategy import AllReduceStrategy, collective
+    from elasticdl_strategy import AllReduceStrategy, runtime
     from elasticdl_strategy.strategy import bridge
 
     variants = ours_variants(args)
@@ -321,13 +321,13 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
         seconds: List[List[float]] = [[] for _ in variants]
         buckets = [0] * len(variants)
         allocations_before = bridge.counters()["staging_allocations"]
-        sent_before = collective.stats()["bytes_sent"]
+        sent_before = runtime.stats()["bytes_sent"]
         for _ in range(args.repeats):
             for i, run_step in enumerate(steps):
                 before = bridge.counters()["buckets"]
                 seconds[i] += window_seconds(lambda: run_step(features, labels), args.steps, 1)  # noqa: B023
                 buckets[i] += bridge.counters()["buckets"] - before
-        sent = collective.stats()["bytes_sent"] - sent_before
+        sent = runtime.stats()["bytes_sent"] - sent_before
         allocations = bridge.counters()["staging_allocations"] - allocations_before
     finally:
         bridge._OVERLAP = default_overlap
@@ -367,10 +367,10 @@ def worker_main(args: argparse.Namespace) -> int:
         if rank == 0:
             _write_json(args.results, report)
     if args.worker in OURS:
-        from elasticdl_strategy import collective
+        from elasticdl_strategy import runtime
 
-        collective.barrier()  # nobody leaves while others still communicate
-        collective.shutdown()
+        runtime.barrier()  # nobody leaves while others still communicate
+        runtime.shutdown()
     return 0
 
 
@@ -473,7 +473,7 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
     step, comm = ours.median_ms(), ours.median_ms("allreduce_s")
     print(
         f"Breakdown of ours (ms/step): step {step:.2f} = gradient all-reduce {comm:.2f} "
-        f"(collective.allreduce of {format_mib(4 * ours.data['params'])} in one call, timed separately) "
+        f"(runtime.allreduce of {format_mib(4 * ours.data['params'])} in one call, timed separately) "
         f"+ compute and the rest {step - comm:.2f}; "
         f"this rank sent {format_mib(ours.data['sent_bytes_per_step'])}/step; "
         f"{ours.data['buckets_per_step']:g} bucket all-reduce(s)/step (buckets <= {args.bucket_mib[0]:g} MiB); "

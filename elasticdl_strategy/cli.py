@@ -11,31 +11,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, NoReturn, Optional, Tuple
+from typing import List, Optional
 
 from elasticdl_strategy import logs
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.launcher.arguments import OneLineParser, split_command
 
 PROG = "elasticdl-strategy"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Reports bad arguments in one line and exits 2, before anything starts."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def split_command(argv: List[str]) -> Tuple[List[str], List[str]]:
-    """``[options..., "--", command...]`` to ``(options, command)``."""
-    if "--" not in argv:
-        return argv, []
-    split = argv.index("--")
-    return argv[:split], argv[split + 1 :]
-
-
 def _run_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(
+    p = OneLineParser(
         prog=f"{PROG} run",
         description="Start the coordinator and N workers running CMD on this machine.",
         usage=f"{PROG} run --workers N [options] -- CMD [ARGS...]",
@@ -108,7 +94,7 @@ def _run(argv: List[str]) -> int:
 def _coordinator(argv: List[str]) -> int:
     from elasticdl_strategy.coordinator import server
 
-    parser = _OneLineParser(prog=f"{PROG} coordinator", description="Serve the rendezvous coordinator.")
+    parser = OneLineParser(prog=f"{PROG} coordinator", description="Serve the rendezvous coordinator.")
     server.add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""The environment the launchers hand to every worker, read by ``collective.init()``.
+"""The environment the launchers hand to every worker, read by ``runtime.init()``.
 
 =========================  ===================================================
 Variable                   Meaning

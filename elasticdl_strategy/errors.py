@@ -2,10 +2,10 @@
 
 Catch :class:`ElasticDLError` to handle every failure the library reports::
 
-    from elasticdl_strategy import collective, errors
+    from elasticdl_strategy import errors, runtime
 
     try:
-        collective.allreduce(grads)
+        runtime.allreduce(grads)
     except errors.PeerFailureError as e:
         print("rank", e.rank, "is gone:", e)
 

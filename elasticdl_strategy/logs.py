@@ -2,7 +2,7 @@
 
 Importing the package configures nothing (its logger has a ``NullHandler``).
 The launcher and coordinator call :func:`configure` with their role, and a
-worker does so when it joins (``collective.init``, which ``AllReduceStrategy``
+worker does so when it joins (``runtime.init``, which ``AllReduceStrategy``
 calls), naming its worker id and current rank. ``EDL_LOG_LEVEL`` (``DEBUG``,
 ``INFO``, ``WARNING``, ``ERROR``; default ``INFO``) sets the level of the
 package's loggers. A program that set up logging before (a handler on the
@@ -10,7 +10,7 @@ root logger) keeps it: the package's records go to its handlers.
 
 Every line reads ``TIME LEVEL [WHO] LOGGER: MESSAGE``, e.g.::
 
-    2026-12-02 01:40:51,202 INFO [worker-1 rank 0/2] elasticdl_strategy.collective.worker: ...
+    2026-12-02 01:40:51,202 INFO [worker-1 rank 0/2] elasticdl_strategy.runtime.worker: ...
 """
 
 from __future__ import annotations

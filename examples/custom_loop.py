@@ -16,7 +16,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from keras_fit import TARGET_ACCURACY, build_model, make_data, parse_args  # noqa: E402  (same data, model, flags)
@@ -25,7 +25,7 @@ from keras_fit import TARGET_ACCURACY, build_model, make_data, parse_args  # noq
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     strategy = AllReduceStrategy()
-    rank = collective.rank()
+    rank = runtime.rank()
     with strategy.scope():
         model = build_model()
         optimizer = keras.optimizers.Adam(1e-2)
@@ -70,7 +70,7 @@ def main() -> int:
     accuracy = float(test_accuracy.result())  # read outside strategy.run: over every worker's rows
     if rank == 0:
         print(f"{strategy.num_replicas_in_sync} workers: test accuracy {accuracy:.4f}")
-    collective.shutdown()
+    runtime.shutdown()
     return 0 if accuracy >= TARGET_ACCURACY else 1
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 from keras_fit import TARGET_ACCURACY, build_model, make_data
 
-from elasticdl_strategy import AllReduceStrategy, collective, data, elastic
+from elasticdl_strategy import AllReduceStrategy, data, elastic, runtime
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,7 +59,7 @@ def main() -> int:
     state = elastic.KerasState(
         model, records=records, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.commits_per_checkpoint
     )
-    state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(base_lr * collective.size())])
+    state.register_reset_callbacks([lambda: model.optimizer.learning_rate.assign(base_lr * runtime.size())])
 
     @elastic.run
     def train(state):
@@ -76,8 +76,8 @@ def main() -> int:
     identical = replicas_identical(state)
     test = tf.data.Dataset.from_tensor_slices(make_data(2048, seed=2)).batch(256)
     loss, accuracy = model.evaluate(test, verbose=0)
-    if collective.rank() == 0:
-        print(f"{collective.size()} workers at the end: test loss {loss:.4f}, accuracy {accuracy:.4f}")
+    if runtime.rank() == 0:
+        print(f"{runtime.size()} workers at the end: test loss {loss:.4f}, accuracy {accuracy:.4f}")
         print("replicas identical (weights and optimizer state)" if identical else "replicas DIFFER")
     return 0 if accuracy >= TARGET_ACCURACY and identical else 1
 
@@ -85,7 +85,7 @@ def main() -> int:
 def replicas_identical(state: elastic.KerasState) -> bool:
     """Whether every worker holds bitwise the same weights and optimizer state (a digest each)."""
     digest = hashlib.sha256(b"".join(np.asarray(v.numpy()).tobytes() for v in state.variables())).digest()
-    digests = collective.allgather(np.frombuffer(digest, np.uint8)[None, :])
+    digests = runtime.allgather(np.frombuffer(digest, np.uint8)[None, :])
     return all(np.array_equal(d, digests[0]) for d in digests)
 
 

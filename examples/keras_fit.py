@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 
 TARGET_ACCURACY = 0.95
 
@@ -48,7 +48,7 @@ def build_model() -> keras.Model:
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     strategy = AllReduceStrategy()
-    rank = collective.rank()
+    rank = runtime.rank()
     with strategy.scope():
         model = build_model()
         model.compile(
@@ -66,7 +66,7 @@ def main() -> int:
     loss, accuracy = model.evaluate(test, verbose=0)  # over every worker's rows
     if rank == 0:
         print(f"{strategy.num_replicas_in_sync} workers: test loss {loss:.4f}, accuracy {accuracy:.4f}")
-    collective.shutdown()
+    runtime.shutdown()
     return 0 if accuracy >= TARGET_ACCURACY else 1
 
 

@@ -6,7 +6,7 @@ Run on 2 local workers::
 
 Every worker holds a different shard of a synthetic data set, computes the
 gradient of the mean squared error on its shard, and averages gradients with
-``collective.allreduce(op="mean")`` — the step that ``AllReduceStrategy``
+``runtime.allreduce(op="mean")`` — the step that ``AllReduceStrategy``
 hides behind ``tf.distribute``. Rank 0 starts from random weights that it
 broadcasts, so every worker trains the same model; at the end the workers
 check that their weights are bitwise identical and that the loss fell.
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 
 
 def make_shard(rank: int, size: int, samples: int, features: int, seed: int = 0):
@@ -32,7 +32,7 @@ def make_shard(rank: int, size: int, samples: int, features: int, seed: int = 0)
 
 def global_loss(x, y, w) -> float:
     """Mean squared error over every worker's rows."""
-    sums = collective.allreduce(np.array([np.sum((x @ w - y) ** 2), len(y)], np.float64))
+    sums = runtime.allreduce(np.array([np.sum((x @ w - y) ** 2), len(y)], np.float64))
     return float(sums[0] / sums[1])
 
 
@@ -45,10 +45,10 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
 
-    collective.init()
-    rank, size = collective.rank(), collective.size()
+    runtime.init()
+    rank, size = runtime.rank(), runtime.size()
     x, y = make_shard(rank, size, args.samples, args.features)
-    w = collective.broadcast(np.random.default_rng([2, rank]).standard_normal(args.features), root=0)
+    w = runtime.broadcast(np.random.default_rng([2, rank]).standard_normal(args.features), root=0)
     rng = np.random.default_rng([1, rank])
 
     initial = global_loss(x, y, w)
@@ -56,17 +56,17 @@ def main() -> int:
         batch = rng.integers(0, len(y), args.batch)
         error = x[batch] @ w - y[batch]
         grad = 2 * x[batch].T @ error / args.batch
-        w -= args.lr * collective.allreduce(grad, op="mean")
+        w -= args.lr * runtime.allreduce(grad, op="mean")
         if rank == 0 and step % 50 == 0:
             print(f"step {step:4d}  loss {global_loss(x, y, w):.6f}", flush=True)
         elif step % 50 == 0:
             global_loss(x, y, w)  # every rank takes part in the same collectives
     final = global_loss(x, y, w)
 
-    same = collective.allgather(w[None, :])
+    same = runtime.allgather(w[None, :])
     identical = all(np.array_equal(same[0], same[i]) for i in range(size))
     print(f"rank {rank}/{size}: loss {initial:.4f} -> {final:.6f}, weights identical on all ranks: {identical}")
-    collective.shutdown()
+    runtime.shutdown()
     return 0 if identical and final < initial / 100 else 1
 
 

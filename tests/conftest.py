@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.transport.options import TLSConfig
 
 
@@ -15,9 +15,9 @@ def pytest_configure(config):
 def single_worker(monkeypatch):
     """This process as a job of one worker (rank 0 of 1, no coordinator), shut down afterwards."""
     monkeypatch.delenv("EDL_COORDINATOR_ADDR", raising=False)
-    collective.init()
+    runtime.init()
     yield
-    collective.shutdown()
+    runtime.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -65,5 +65,5 @@ def test_launched_workers_log_their_worker_id_and_rank():
     joined = [line for line in job.stderr.splitlines() if "joined as rank" in line]
     assert len(joined) == 2, job.stderr[-2000:]
     for line in joined:
-        # "[worker 0] 2026-... INFO [worker-0 joining] elasticdl_strategy.collective.worker: joined as rank 0 of 2 ..."
-        assert " INFO [worker-" in line and "elasticdl_strategy.collective.worker: joined as rank" in line
+        # "[worker 0] 2026-... INFO [worker-0 joining] elasticdl_strategy.runtime.worker: joined as rank 0 of 2 ..."
+        assert " INFO [worker-" in line and "elasticdl_strategy.runtime.worker: joined as rank" in line

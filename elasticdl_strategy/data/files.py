@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.data.plan import rank_share, step_bounds
 from elasticdl_strategy.data.records import ElasticRecords
 from elasticdl_strategy.errors import ConfigError
@@ -166,8 +166,8 @@ class ElasticFiles(ElasticRecords):
 
     def plan(self, rank: Optional[int] = None, size: Optional[int] = None) -> _Plan:
         """What this worker (``rank`` of ``size``, by default the current ones) reads from the position."""
-        rank = collective.rank() if rank is None else rank
-        size = collective.size() if size is None else size
+        rank = runtime.rank() if rank is None else rank
+        size = runtime.size() if size is None else size
         cursor = self.position.cursor
         steps = list(step_bounds(cursor, self.num_records, size, self.policy))
         mine = np.zeros(self.num_records - cursor, bool)

@@ -8,7 +8,7 @@ from typing import Dict, Iterator, Optional
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.coordinator.shards import DatasetSpec
 from elasticdl_strategy.data.plan import BatchPolicy, EpochStream, next_cursor, rank_share, step_bounds
 from elasticdl_strategy.strategy.input_sharding import mark_per_worker
@@ -106,7 +106,7 @@ class ElasticRecords:
     def advance(self) -> None:
         """Records that the step at the current position was taken (its records are in the model)."""
         p = self.position
-        cursor = next_cursor(p.cursor, self.num_records, collective.size(), self.policy)
+        cursor = next_cursor(p.cursor, self.num_records, runtime.size(), self.policy)
         if cursor >= self.num_records:
             self.position = Position(p.epoch + 1, 0, 0)
         else:
@@ -114,13 +114,13 @@ class ElasticRecords:
 
     def steps_left_in_epoch(self) -> int:
         """Steps from the current position to the end of its epoch, with the current workers."""
-        return sum(1 for _ in step_bounds(self.position.cursor, self.num_records, collective.size(), self.policy))
+        return sum(1 for _ in step_bounds(self.position.cursor, self.num_records, runtime.size(), self.policy))
 
     # ---- indices ----------------------------------------------------------------------------
 
     def _stream(self, epoch: int) -> EpochStream:
         if epoch not in self._streams:
-            worker = collective.current_worker()
+            worker = runtime.current_worker()
             if worker.client is None:
                 starts, ends = self.spec.shards(epoch)
             else:
@@ -141,7 +141,7 @@ class ElasticRecords:
         """This worker's index batches from the current position to the end of its epoch."""
         p = self.position
         stream = self._stream(p.epoch)
-        rank, size = collective.rank(), collective.size()
+        rank, size = runtime.rank(), runtime.size()
         for start, end in step_bounds(p.cursor, self.num_records, size, self.policy):
             yield stream.indices(*rank_share(start, end, rank, size))
 

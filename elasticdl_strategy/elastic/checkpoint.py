@@ -17,15 +17,13 @@ import errno
 import os
 import pickle
 import shutil
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from elasticdl_strategy.elastic.snapshot import Snapshot
 from elasticdl_strategy.errors import ConfigError
-
-if TYPE_CHECKING:
-    from elasticdl_strategy.elastic.state import State, _Snapshot
 
 _LATEST = "latest"
 
@@ -39,15 +37,15 @@ class CheckpointStore:
         self.directory = directory
         self.keep = keep
 
-    def save(self, state: "State", snapshot: "_Snapshot") -> str:
-        """Writes ``snapshot`` (the state's variables hold its values) and returns its directory."""
+    def save(self, variables: Sequence[tf.Variable], snapshot: Snapshot) -> str:
+        """Writes ``snapshot`` (``variables`` hold its arrays) and returns its directory."""
         os.makedirs(self.directory, exist_ok=True)
         name = f"commit-{snapshot.commit_id:08d}"
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".tmp-{name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        tf.train.Checkpoint(variables=state.variables()).write(os.path.join(tmp, "state"))
+        tf.train.Checkpoint(variables=list(variables)).write(os.path.join(tmp, "state"))
         meta = {
             "commit_id": snapshot.commit_id,
             "position": snapshot.position,
@@ -87,20 +85,18 @@ class CheckpointStore:
         path = os.path.join(self.directory, name)
         return path if os.path.isdir(path) else None
 
-    def load(self, state: "State") -> Optional["_Snapshot"]:
-        """Assigns the newest checkpoint to the state's variables; returns its snapshot, or ``None``.
+    def load(self, variables: Sequence[tf.Variable]) -> Optional[Snapshot]:
+        """Assigns the newest checkpoint to ``variables``; returns its snapshot, or ``None``.
 
         Raises:
             ConfigError: the checkpoint does not fit the state (different variables).
         """
-        from elasticdl_strategy.elastic.state import _Snapshot
-
         path = self.latest()
         if path is None:
             return None
         with open(os.path.join(path, "meta.pickle"), "rb") as f:
             meta = pickle.load(f)
-        variables = state.variables()
+        variables = list(variables)
         shapes = [tuple(v.shape) for v in variables]
         if shapes != meta["shapes"]:
             raise ConfigError(
@@ -109,7 +105,7 @@ class CheckpointStore:
             )
         tf.train.Checkpoint(variables=variables).read(os.path.join(path, "state")).assert_existing_objects_matched()
         arrays = [np.array(v.numpy(), copy=True) for v in variables]
-        return _Snapshot(arrays, meta["values"], meta["position"], meta["commit_id"])
+        return Snapshot(arrays, meta["values"], meta["position"], meta["commit_id"])
 
 
 def _fsync_directory(path: str) -> None:

@@ -11,8 +11,7 @@ import threading
 import time
 from typing import Callable, Iterator, List, NoReturn, Optional, TypeVar
 
-from elasticdl_strategy import collective
-from elasticdl_strategy.collective.worker import ElasticLoop
+from elasticdl_strategy import runtime
 from elasticdl_strategy.elastic.state import State, WorkerLeft
 from elasticdl_strategy.errors import (
     CollectiveMismatchError,
@@ -23,6 +22,7 @@ from elasticdl_strategy.errors import (
     MembershipChangedInterrupt,
     PeerFailureError,
 )
+from elasticdl_strategy.runtime.worker import ElasticLoop
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     Before every sync — on entry and after every re-formation, on every member,
     newcomers included — the state's reset callbacks run. They run before the
     sync so that whatever they set in the state (a learning rate from
-    ``collective.size()``, a relative rescaling, a value a newcomer cannot
+    ``runtime.size()``, a relative rescaling, a value a newcomer cannot
     compute) ends as rank 0's on every rank; what they set outside the state,
     every rank set for itself.
 
@@ -72,7 +72,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> T:
-        worker = collective.current_worker()
+        worker = runtime.current_worker()
         worker.elastic_loop = ElasticLoop.RUNNING
         with _leave_on_sigterm(state):
             first_entry = True
@@ -158,7 +158,7 @@ def _log_recovered(worker, state: State, reset: _Reset) -> None:
 
 def _exit(message: str) -> NoReturn:
     logger.info("%s", message)
-    collective.shutdown(finished=False)
+    runtime.shutdown(finished=False)
     sys.exit(0)
 
 

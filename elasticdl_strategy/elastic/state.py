@@ -21,9 +21,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.data.records import ElasticRecords, Position
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
+from elasticdl_strategy.elastic.snapshot import Snapshot
 from elasticdl_strategy.errors import (
     CollectiveMismatchError,
     CommitAbortedError,
@@ -37,11 +38,6 @@ logger = logging.getLogger(__name__)
 
 class WorkerLeft(Exception):
     """Internal: this worker's graceful leave was recorded; ``elastic.run`` ends the process."""
-
-
-class _Snapshot:
-    def __init__(self, arrays: List[np.ndarray], values: Dict[str, Any], position: Position, commit_id: int):
-        self.arrays, self.values, self.position, self.commit_id = arrays, values, position, commit_id
 
 
 class State:
@@ -89,7 +85,7 @@ class State:
         self._variables = list(variables)
         self.records = records
         self.commit_id = 0
-        self._snapshots: Dict[int, _Snapshot] = {}
+        self._snapshots: Dict[int, Snapshot] = {}
         self._reset_callbacks: List[Callable[[], None]] = []
         self._checkpoints = CheckpointStore(checkpoint_dir) if checkpoint_dir else None
         self._checkpoint_every = checkpoint_every
@@ -122,7 +118,7 @@ class State:
 
         Example: keep the learning rate proportional to the global batch::
 
-            state.register_reset_callbacks([lambda: optimizer.learning_rate.assign(0.01 * collective.size())])
+            state.register_reset_callbacks([lambda: optimizer.learning_rate.assign(0.01 * runtime.size())])
         """
         self._reset_callbacks.extend(callbacks)
 
@@ -145,7 +141,7 @@ class State:
 
         Without it a leaver leaves at the next commit the loop makes anyway.
         """
-        communicator = collective.communicator()
+        communicator = runtime.communicator()
         if communicator.size == 1:
             return self.leave_requested
         votes = communicator.allreduce(np.array([int(self.leave_requested)], np.int64), op="sum")
@@ -153,12 +149,12 @@ class State:
 
     # Snapshots --------------------------------------------------------------------------------
 
-    def _snapshot(self) -> _Snapshot:
+    def _snapshot(self) -> Snapshot:
         position = self.records.position if self.records is not None else Position()
         arrays = [np.array(v.numpy(), copy=True) for v in self.variables()]
-        return _Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
+        return Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
 
-    def _apply(self, snapshot: _Snapshot) -> None:
+    def _apply(self, snapshot: Snapshot) -> None:
         for variable, array in zip(self.variables(), snapshot.arrays, strict=True):
             variable.assign(array)
         object.__setattr__(self, "_values", copy.deepcopy(snapshot.values))
@@ -166,7 +162,7 @@ class State:
             self.records.position = snapshot.position
         self.commit_id = snapshot.commit_id
 
-    def _keep(self, snapshot: _Snapshot) -> None:
+    def _keep(self, snapshot: Snapshot) -> None:
         """Keeps ``snapshot`` and the one before it (a commit whose outcome is unknown needs both)."""
         self._snapshots[snapshot.commit_id] = snapshot
         for old in sorted(self._snapshots)[:-2]:
@@ -183,7 +179,7 @@ class State:
             MembershipChangedInterrupt: the commit was recorded and workers join
                 or leave here; ``elastic.run`` re-forms without rolling back.
         """
-        worker = collective.current_worker()
+        worker = runtime.current_worker()
         self.commit_id += 1
         snapshot = self._snapshot()
         self._keep(snapshot)
@@ -215,7 +211,7 @@ class State:
         )
         if self._checkpoints is not None and worker.communicator.rank == 0:
             if self.commit_id % self._checkpoint_every == 0:
-                self._checkpoints.save(self, snapshot)
+                self._checkpoints.save(self.variables(), snapshot)
         if leaving:
             raise WorkerLeft()
         if response.membership_version != version:
@@ -245,7 +241,7 @@ class State:
         if self._checkpoints is None:
             return False
         self._prepare_sync()
-        snapshot = self._checkpoints.load(self)
+        snapshot = self._checkpoints.load(self.variables())
         if snapshot is None:
             return False
         self._apply(snapshot)
@@ -265,7 +261,7 @@ class State:
             CommunicationError: a peer failed during the sync (``elastic.run`` retries).
         """
         self._prepare_sync()
-        communicator = collective.communicator()
+        communicator = runtime.communicator()
         variables = self.variables()
         if communicator.size > 1:
             self._check_same_variables(communicator, variables)
@@ -354,7 +350,7 @@ class KerasState(State):
     def _build_optimizer(self) -> None:
         """Creates the optimizer's slots if Keras has not yet (a newcomer that has not trained)."""
         if self.optimizer is not None and not self.optimizer.built:
-            from elasticdl_strategy.strategy.all_reduce_strategy import no_broadcast_at_creation
+            from elasticdl_strategy.strategy.creation_broadcast import no_broadcast_at_creation
 
             strategy = getattr(self.model, "_distribute_strategy", None)
             with no_broadcast_at_creation(), strategy.scope() if strategy is not None else contextlib.nullcontext():

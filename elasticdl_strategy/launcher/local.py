@@ -1,7 +1,7 @@
 """``elasticdl-strategy run``: the coordinator and N workers as processes on this machine.
 
 The launcher makes the job token, starts the coordinator, then N copies of the
-command with the environment ``collective.init()`` reads. Every output line
+command with the environment ``runtime.init()`` reads. Every output line
 is prefixed with ``[worker i]``; SIGINT and SIGTERM are forwarded to all
 workers. It exits 0 when every worker does; otherwise it says which worker
 failed first, with its exit code and the last lines of its stderr, stops the

@@ -15,9 +15,9 @@ from typing import Iterable, Optional
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
-from elasticdl_strategy.strategy import bridge, checkpoints, devices, input_sharding, keras_compat
+from elasticdl_strategy.strategy import bridge, checkpoints, creation_broadcast, devices, input_sharding, keras_compat
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -29,7 +29,6 @@ from elasticdl_strategy.strategy.tf_compat import (
     ops,
     reduce_util,
 )
-from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class AllReduceStrategy(distribute_lib.Strategy):
         import tensorflow as tf, keras
         from elasticdl_strategy import AllReduceStrategy
 
-        strategy = AllReduceStrategy()           # joins the job (collective.init())
+        strategy = AllReduceStrategy()           # joins the job (runtime.init())
         with strategy.scope():
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
             model.compile(optimizer="sgd", loss="mse")
@@ -105,10 +104,10 @@ class AllReduceStrategy(distribute_lib.Strategy):
             )
         if compression is not None and not (isinstance(compression, str) and compression in bridge.COMPRESSIONS):
             raise ConfigError(f"AllReduceStrategy(compression={compression!r}): expected None, 'fp16' or 'bf16'")
-        collective.init()
+        runtime.init()
         super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense, int(bucket_bytes), compression))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
-        if collective.rank() != 0 and not log_all_ranks:
+        if runtime.rank() != 0 and not log_all_ranks:
             import keras
 
             keras.config.disable_interactive_logging()
@@ -119,12 +118,12 @@ class AllReduceStrategy(distribute_lib.Strategy):
     @property
     def rank(self) -> int:
         """This worker's rank, which is also its replica id."""
-        return collective.rank()
+        return runtime.rank()
 
     @property
     def writes_files(self) -> bool:
         """Whether this worker writes in ``Model.save``/``save_weights``/``ModelCheckpoint``."""
-        return self._save_on_all_ranks or collective.rank() == 0
+        return self._save_on_all_ranks or runtime.rank() == 0
 
     _warned_run_v2 = False
 
@@ -175,8 +174,8 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
     initializers are deterministic (zeros) in Keras; for others, call
     ``strategy.broadcast_variables`` after the first step.
     """
-    communicator = collective.communicator()
-    if communicator.size == 1 or not _broadcast_at_creation():
+    communicator = runtime.communicator()
+    if communicator.size == 1 or not creation_broadcast.enabled():
         return
     created_in_function = tf.inside_function()
     with tf.init_scope():
@@ -192,28 +191,6 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
             )
         if not created_in_function:
             variable.assign(communicator.broadcast(variable.numpy(), root=root))
-
-
-_creation_broadcast_suspended = ThreadFlag()
-
-
-def _broadcast_at_creation() -> bool:
-    """False on a worker that joined a running job (its state arrives by ``elastic`` sync
-    while the others are not creating variables), and inside :func:`no_broadcast_at_creation`."""
-    if _creation_broadcast_suspended.is_set:
-        return False
-    return not collective.current_worker().joined_running_job
-
-
-def no_broadcast_at_creation():
-    """Creates variables without the creation-time broadcast (the caller syncs them itself).
-
-    Example::
-
-        with no_broadcast_at_creation():
-            counter = tf.Variable(0)
-    """
-    return _creation_broadcast_suspended()
 
 
 def _single_device_input_options(options: Optional[distribute_lib.InputOptions]) -> distribute_lib.InputOptions:
@@ -278,11 +255,11 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
     # Rank and size follow the current membership: they change when an elastic job re-forms.
     @property
     def _rank(self) -> int:
-        return collective.rank()
+        return runtime.rank()
 
     @property
     def _size(self) -> int:
-        return collective.size()
+        return runtime.size()
 
     # ---- placement and variables ----------------------------------------------------------
 

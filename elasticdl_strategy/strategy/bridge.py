@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.errors import CommunicationError, ConfigError
 from elasticdl_strategy.strategy import ordering
 from elasticdl_strategy.strategy.tf_compat import control_flow_util, device_util, ops
@@ -319,7 +319,7 @@ def reduce_buckets(
     _counters["reductions"] += 1
     if not buckets:
         return results
-    communicator = collective.communicator()
+    communicator = runtime.communicator()
     staged = [_Staged(arrays, bucket) for bucket in buckets]
     if uses is None:
         uses = _layout_uses([bucket.key for bucket in staged])
@@ -465,7 +465,7 @@ def all_gather_tensor(
 
     def gather(array: np.ndarray) -> np.ndarray:
         moved = np.moveaxis(np.asarray(array), axis, 0)
-        return np.ascontiguousarray(np.moveaxis(collective.communicator().allgather(moved, timeout=timeout), 0, axis))
+        return np.ascontiguousarray(np.moveaxis(runtime.communicator().allgather(moved, timeout=timeout), 0, axis))
 
     if tf.executing_eagerly():
         gathered = gather(tensor.numpy())
@@ -505,5 +505,5 @@ def all_reduce_indexed_slices(
     values = all_gather_tensor(slices.values, axis=0, timeout=timeout, device=device)
     if op == "mean":
         with _on(device):
-            values = values / tf.cast(collective.size(), values.dtype)
+            values = values / tf.cast(runtime.size(), values.dtype)
     return tf.IndexedSlices(values, indices, slices.dense_shape)

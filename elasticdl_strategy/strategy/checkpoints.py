@@ -24,7 +24,7 @@ directory of their own and delete it.) In a job of several workers, here:
 
 Nothing here is a collective: a save called on rank 0 alone is as right as one
 called everywhere. Hence a worker that *reads* a checkpoint right after it was
-saved must first know that rank 0 finished writing (e.g. ``collective.barrier()``),
+saved must first know that rank 0 finished writing (e.g. ``runtime.barrier()``),
 and reads by other ranks need a directory they share. Writes inside a
 ``tf.function`` are left to TensorFlow.
 """
@@ -36,7 +36,8 @@ import logging
 
 import tensorflow as tf
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
+from elasticdl_strategy.strategy.creation_broadcast import no_broadcast_at_creation
 from elasticdl_strategy.strategy.thread_flag import ThreadFlag
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ _without_file_changes = ThreadFlag()
 
 def _other_rank_of_a_job() -> bool:
     """True on a worker other than rank 0 of a job of several workers."""
-    return collective.is_initialized() and collective.size() > 1 and collective.rank() != 0
+    return runtime.is_initialized() and runtime.size() > 1 and runtime.rank() != 0
 
 
 def install() -> None:
@@ -89,8 +90,6 @@ def _written_by_rank_0(write):
 def _created_without_broadcast(create):
     @functools.wraps(create)
     def wrapper(self):
-        from elasticdl_strategy.strategy.all_reduce_strategy import no_broadcast_at_creation
-
         with no_broadcast_at_creation():
             return create(self)
 

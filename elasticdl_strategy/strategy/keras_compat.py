@@ -200,14 +200,14 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
     """Wraps the Keras optimizer's gradient all-reduce with a check that it reaches the ring."""
     import tensorflow as tf
 
-    from elasticdl_strategy import collective
+    from elasticdl_strategy import runtime
     from elasticdl_strategy.errors import ConfigError
 
     @functools.wraps(reduce_gradients)
     def wrapper(optimizer, grads_and_vars):
         if _gradients_reduced.is_set:
             return list(grads_and_vars)
-        if collective.is_initialized() and collective.size() > 1:
+        if runtime.is_initialized() and runtime.size() > 1:
             if not isinstance(optimizer._distribution_strategy, strategy_class):
                 raise ConfigError(
                     f"the optimizer {optimizer.name} was created outside AllReduceStrategy.scope(): its gradients "
@@ -256,15 +256,15 @@ def _shuffled_alike_on_every_worker(get_tf_dataset):
     import numpy as np
     import tensorflow as tf
 
-    from elasticdl_strategy import collective
+    from elasticdl_strategy import runtime
     from elasticdl_strategy.strategy.tf_compat import resource_variable_ops
 
     @functools.wraps(get_tf_dataset)
     def wrapper(adapter):
-        if not adapter._shuffle or not collective.is_initialized() or collective.size() == 1:
+        if not adapter._shuffle or not runtime.is_initialized() or runtime.size() == 1:
             return get_tf_dataset(adapter)
         mine = np.random.default_rng().integers(0, 2**62, size=1, dtype=np.int64)
-        seed = int(collective.communicator().broadcast(mine, root=0)[0])
+        seed = int(runtime.communicator().broadcast(mine, root=0)[0])
         with tf.init_scope(), tf.device("/cpu:0"):
             shuffles = resource_variable_ops.ResourceVariable(0, dtype=tf.int64, trainable=False)
 
@@ -293,16 +293,16 @@ def _only_this_workers_rows(get_tf_dataset):
     """
     import tensorflow as tf
 
-    from elasticdl_strategy import collective
+    from elasticdl_strategy import runtime
     from elasticdl_strategy.strategy import input_sharding
 
     zip_ = vars(tf.data.Dataset)["zip"]  # the staticmethod, to put back as it was
 
     @functools.wraps(get_tf_dataset)
     def wrapper(adapter):
-        if not collective.is_initialized() or collective.size() == 1:
+        if not runtime.is_initialized() or runtime.size() == 1:
             return get_tf_dataset(adapter)
-        rank, size, zipped = collective.rank(), collective.size(), []
+        rank, size, zipped = runtime.rank(), runtime.size(), []
 
         def zip_my_rows(datasets, *args, **kwargs):
             if isinstance(datasets, tuple) and len(datasets) == 2 and not zipped:
@@ -386,10 +386,10 @@ def _restored_on_rank_0(on_train_begin, strategy_class: type):
         strategy = model._distribute_strategy
         if not isinstance(strategy, strategy_class) or strategy.num_replicas_in_sync == 1:
             return
-        from elasticdl_strategy import collective
+        from elasticdl_strategy import runtime
 
         epoch = np.array([model._initial_epoch or 0], np.int64)
-        model._initial_epoch = int(collective.communicator().broadcast(epoch, root=0)[0])
+        model._initial_epoch = int(runtime.communicator().broadcast(epoch, root=0)[0])
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.collective import compression, ring
 from elasticdl_strategy.collective.dtypes import REDUCE_UFUNCS, dtype_name
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
@@ -286,9 +286,9 @@ def test_module_level_allreduce_passes_compression(monkeypatch):
             calls.append(kwargs)
             return array
 
-    monkeypatch.setattr(collective, "communicator", lambda: Fake())
-    collective.allreduce(np.ones(2, np.float32), op="mean", compression="fp16")
-    collective.allreduce(np.ones(2, np.float32))
+    monkeypatch.setattr(runtime, "communicator", lambda: Fake())
+    runtime.allreduce(np.ones(2, np.float32), op="mean", compression="fp16")
+    runtime.allreduce(np.ones(2, np.float32))
     assert calls[0]["compression"] == "fp16" and calls[0]["op"] == "mean"
     assert calls[1]["compression"] is None
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from elasticdl_strategy import collective, elastic
+from elasticdl_strategy import elastic, runtime
 from elasticdl_strategy.data import ElasticRecords, Position
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
 from elasticdl_strategy.elastic.state import WorkerLeft
@@ -99,7 +99,7 @@ def test_a_sigterm_while_a_commit_waits_makes_the_worker_leave_at_the_next_commi
     # The coordinator records a commit as the worker sent it: one sent as staying must not end
     # in the worker leaving (the others would carry on with it in their membership).
     state = elastic.State(step=0)
-    worker = collective.current_worker()
+    worker = runtime.current_worker()
     sent = []
 
     class Client:

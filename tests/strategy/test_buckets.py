@@ -223,21 +223,21 @@ def test_without_overlap_one_numpy_function_reduces_every_bucket(monkeypatch):
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "64MiB", True, None])
 def test_bad_bucket_bytes_is_refused_before_joining(value):
-    from elasticdl_strategy import AllReduceStrategy, collective
+    from elasticdl_strategy import AllReduceStrategy, runtime
 
     with pytest.raises(ConfigError, match=re.escape(f"bucket_bytes={value!r}")):
         AllReduceStrategy(bucket_bytes=value)
-    assert not collective.is_initialized()
+    assert not runtime.is_initialized()
 
 
 @pytest.mark.parametrize("value", ["fp8", "FP16", "none", 16, ["fp16"]])
 def test_bad_compression_is_refused_before_joining(value):
-    from elasticdl_strategy import AllReduceStrategy, collective
+    from elasticdl_strategy import AllReduceStrategy, runtime
 
     with pytest.raises(ConfigError, match=re.escape(f"compression={value!r}")) as error:
         AllReduceStrategy(compression=value)
     assert "\n" not in str(error.value)
-    assert not collective.is_initialized()
+    assert not runtime.is_initialized()
 
 
 # ---- N = 2 through the launcher -------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.strategy import input_sharding, keras_compat
 from elasticdl_strategy.strategy.input_sharding import Sharding, count_files, plan, split_global_batches
@@ -84,11 +84,11 @@ def test_numpy_inputs_gather_only_this_workers_rows(monkeypatch):
     # Keras gathers the rows of each batch in its dataset; each worker must gather only its share.
     x, y = np.arange(26, dtype=np.float32)[:, None], np.arange(26)
     build = keras_compat._only_this_workers_rows(ArrayDataAdapter.get_tf_dataset)
-    monkeypatch.setattr(collective, "is_initialized", lambda: True)
-    monkeypatch.setattr(collective, "size", lambda: 3)
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "size", lambda: 3)
     shares = []
     for rank in range(3):
-        monkeypatch.setattr(collective, "rank", lambda: rank)
+        monkeypatch.setattr(runtime, "rank", lambda: rank)
         dataset = build(ArrayDataAdapter(x, y, batch_size=10, shuffle=False))
         assert plan(dataset, 3).sharding is Sharding.AS_IS
         shares.append([(bx.numpy()[:, 0].tolist(), by.numpy().tolist()) for bx, by in dataset])

@@ -1,13 +1,13 @@
-"""Worker of test_launcher.py: joins through collective.init() and checks rank/size."""
+"""Worker of test_launcher.py: joins through runtime.init() and checks rank/size."""
 
 import sys
 
 import numpy as np
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 
-collective.init()
-total = collective.allreduce(np.array([1], np.int64))
-print(f"rank {collective.rank()} of {collective.size()} total {int(total[0])}", flush=True)
-collective.shutdown()
+runtime.init()
+total = runtime.allreduce(np.array([1], np.int64))
+print(f"rank {runtime.rank()} of {runtime.size()} total {int(total[0])}", flush=True)
+runtime.shutdown()
 sys.exit(0)

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
 from tests.workers.report import write_report
 
@@ -22,8 +22,8 @@ OPS = {
 
 
 def main(results_dir: str, with_64mib: bool) -> None:
-    collective.init()
-    rank, n = collective.rank(), collective.size()
+    runtime.init()
+    rank, n = runtime.rank(), runtime.size()
     failures, counters = [], []
 
     def check(name, fn):
@@ -39,36 +39,36 @@ def main(results_dir: str, with_64mib: bool) -> None:
 
                 def allreduce_case(shape=shape, dtype=dtype, op=op):
                     inputs = [make_input(11, r, shape, dtype, op) for r in range(n)]
-                    result = collective.allreduce(inputs[rank], op=op)
+                    result = runtime.allreduce(inputs[rank], op=op)
                     assert_close(result, reduce_reference(inputs, op))
                     # bitwise identical on every rank
-                    assert_identical([collective.broadcast(result, root=r) for r in range(n)] + [result])
+                    assert_identical([runtime.broadcast(result, root=r) for r in range(n)] + [result])
 
                 check(f"allreduce {dtype} {shape} {op}", allreduce_case)
 
             def others(shape=shape, dtype=dtype):
                 inputs = [make_input(5, r, shape, dtype) for r in range(n)]
-                got = collective.broadcast(inputs[rank], root=n - 1)
+                got = runtime.broadcast(inputs[rank], root=n - 1)
                 assert got.tobytes() == inputs[n - 1].tobytes()
                 if len(shape) >= 1:
                     rows = [make_input(7, r, (r % 3,) + shape[1:], dtype) for r in range(n)]
-                    np.testing.assert_array_equal(collective.allgather(rows[rank]), np.concatenate(rows))
-                    gathered = collective.gather(rows[rank], root=0)
+                    np.testing.assert_array_equal(runtime.allgather(rows[rank]), np.concatenate(rows))
+                    gathered = runtime.gather(rows[rank], root=0)
                     if rank == 0:
                         np.testing.assert_array_equal(gathered, np.concatenate(rows))
                     else:
                         assert gathered is None
                 op = "max" if dtype == "bool" else "sum"
                 if len(shape) >= 1:
-                    part = collective.reduce_scatter(inputs[rank], op=op)
+                    part = runtime.reduce_scatter(inputs[rank], op=op)
                     assert_close(part, np.array_split(reduce_reference(inputs, op), n)[rank])
-                reduced = collective.reduce(inputs[rank], root=n - 1, op=op)
+                reduced = runtime.reduce(inputs[rank], root=n - 1, op=op)
                 if rank == n - 1:
                     assert_close(reduced, reduce_reference(inputs, op))
                 parts = [make_input(9, i, shape, dtype) for i in range(n)]
-                mine = collective.scatter(parts if rank == 0 else None, root=0)
+                mine = runtime.scatter(parts if rank == 0 else None, root=0)
                 assert mine.tobytes() == parts[rank].tobytes()
-                collective.barrier()
+                runtime.barrier()
 
             check(f"others {dtype} {shape}", others)
 
@@ -78,11 +78,11 @@ def main(results_dir: str, with_64mib: bool) -> None:
         data = np.ones(elements, np.float32)
         # Barriers around the all-reduce so that no message of a neighbour's
         # next collective is counted; each barrier moves N-1 bytes each way.
-        collective.barrier()
-        before = collective.stats()
-        collective.allreduce(data, out=data)
-        collective.barrier()
-        after = collective.stats()
+        runtime.barrier()
+        before = runtime.stats()
+        runtime.allreduce(data, out=data)
+        runtime.barrier()
+        after = runtime.stats()
         counters.append(
             {
                 "nbytes": data.nbytes,
@@ -95,18 +95,18 @@ def main(results_dir: str, with_64mib: bool) -> None:
 
         def big():
             data = np.full(16 << 20, rank + 1, np.float32)  # 64 MiB
-            collective.allreduce(data, out=data)
+            runtime.allreduce(data, out=data)
             expected = n * (n + 1) / 2
             assert data[0] == expected and data[-1] == expected and np.all(data == expected)
 
         check("allreduce 64 MiB", big)
 
-    p2p = collective.communicator().p2p
+    p2p = runtime.communicator().p2p
     paths = {"shared_memory": p2p.shared_memory_peers, "data_socket": p2p.data_socket_peers}
     write_report(
         results_dir, rank, {"rank": rank, "size": n, "failures": failures, "counters": counters, "paths": paths}
     )
-    collective.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective, data, elastic
+from elasticdl_strategy import AllReduceStrategy, data, elastic, runtime
 from tests.workers.campaign_data import dataset_arrays, parse
 from tests.workers.report import write_named_report
 
@@ -83,7 +83,7 @@ epoch_checks = {}
 
 
 def rescale_learning_rate():
-    version, size = collective.current_worker().membership.version, collective.size()
+    version, size = runtime.current_worker().membership.version, runtime.size()
     model.optimizer.learning_rate.assign(BASE_LR * size)
     resets.append([version, size])
     with open(os.path.join(out_dir, f"{worker_id}.resets"), "a") as f:
@@ -96,7 +96,7 @@ state.register_reset_callbacks([rescale_learning_rate])
 def fault(when: str):
     """Fires the fault planned for this rank at this step and moment, once per job."""
     for planned in config["faults"]:
-        hit = planned["target"] == f"rank:{collective.rank()}" and planned["step"] == state.steps
+        hit = planned["target"] == f"rank:{runtime.rank()}" and planned["step"] == state.steps
         if not hit or (planned["kind"] == "kill_after") != (when == "after"):
             continue
         marker = os.path.join(out_dir, f"fired-{planned['kind']}-{planned['step']}")
@@ -104,7 +104,7 @@ def fault(when: str):
             continue
         open(marker, "w").close()
         record = {"kind": planned["kind"], "step": state.steps, "pid": os.getpid(), "time": time.time()}
-        record["version"] = collective.current_worker().membership.version
+        record["version"] = runtime.current_worker().membership.version
         with open(os.path.join(out_dir, f"{worker_id}.fault"), "w") as f:
             json.dump(record, f)
         print(f"{worker_id}: {planned['kind']} at step {state.steps}", flush=True)
@@ -114,12 +114,12 @@ def fault(when: str):
 
 def first_steps():
     """The wall time of the first step in each membership (how long a change took)."""
-    version = collective.current_worker().membership.version
+    version = runtime.current_worker().membership.version
     path = os.path.join(out_dir, f"{worker_id}.steps")
     if version not in first_steps.seen:
         first_steps.seen.add(version)
         with open(path, "a") as f:
-            f.write(f"{version} {collective.size()} {time.time()}\n")
+            f.write(f"{version} {runtime.size()} {time.time()}\n")
 
 
 first_steps.seen = set()
@@ -131,7 +131,7 @@ def gate():
     if records.epoch != epochs - 1:
         return
     deadline = time.monotonic() + 90
-    while collective.size() < config["final_size"] and time.monotonic() < deadline:
+    while runtime.size() < config["final_size"] and time.monotonic() < deadline:
         state.commit()  # a joiner enters at a commit: MembershipChangedInterrupt re-forms
         time.sleep(0.05)
 
@@ -202,8 +202,8 @@ write_named_report(
     out_dir,
     worker_id,
     {
-        "size": collective.size(),
-        "version": collective.current_worker().membership.version,
+        "size": runtime.size(),
+        "version": runtime.current_worker().membership.version,
         "weights": [w.numpy().tolist() for w in model.weights],
         "counts": model.counts.numpy().tolist(),
         "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective, data, elastic
+from elasticdl_strategy import AllReduceStrategy, data, elastic, runtime
 from tests.workers.report import write_named_report
 
 out_dir, config = sys.argv[1], json.loads(sys.argv[2])
@@ -54,7 +54,7 @@ syncs = {"n": 0}
 
 def targeted(plan, value):
     """Whether ``plan`` ({"rank:R" or worker id: value}) targets this worker now, once per job."""
-    for key in (worker_id, f"rank:{collective.rank()}"):
+    for key in (worker_id, f"rank:{runtime.rank()}"):
         if plan.get(key) == value and not os.path.exists(os.path.join(out_dir, f"done-{key}-{value}")):
             open(os.path.join(out_dir, f"done-{key}-{value}"), "w").close()
             return True
@@ -85,7 +85,7 @@ state = CounterState(
     steps=0,
 )
 resets = []  # the worker count seen by each reset callback
-state.register_reset_callbacks([lambda: resets.append(collective.size())])
+state.register_reset_callbacks([lambda: resets.append(runtime.size())])
 
 
 def before_step():
@@ -99,7 +99,7 @@ def before_step():
         # Commit (nothing else) until the job has grown to hold["size"] workers: joins happen at commits.
         deadline = time.monotonic() + 60
         version = hold.get("version", 0)
-        while (collective.size() < hold["size"] or collective.current_worker().membership.version < version) and (
+        while (runtime.size() < hold["size"] or runtime.current_worker().membership.version < version) and (
             time.monotonic() < deadline
         ):
             state.commit()
@@ -109,7 +109,7 @@ def before_step():
         os._exit(1)
     if targeted(config.get("term", {}), step):
         die(signal.SIGTERM, f"sending myself SIGTERM before step {step}")
-    if collective.rank() == 0:
+    if runtime.rank() == 0:
         tmp = os.path.join(out_dir, "progress.tmp")
         with open(tmp, "w") as f:
             f.write(str(step))
@@ -134,7 +134,7 @@ def replica_step(indices):
     used = tf.cast(tf.size(indices), tf.float64)
     gradient, used = tf.distribute.get_replica_context().all_reduce("SUM", [gradient, used])
     counts.assign_sub(gradient)
-    seen.assign_add(tf.stack([used, used * used, 1.0, tf.cast(collective.size(), tf.float64)]))
+    seen.assign_add(tf.stack([used, used * used, 1.0, tf.cast(runtime.size(), tf.float64)]))
 
 
 @elastic.run
@@ -205,9 +205,9 @@ write_named_report(
     worker_id,
     {
         "worker_id": worker_id,
-        "rank": collective.rank(),
-        "size": collective.size(),
-        "membership_version": collective.current_worker().membership.version,
+        "rank": runtime.rank(),
+        "size": runtime.size(),
+        "membership_version": runtime.current_worker().membership.version,
         "counts": counts.numpy().tolist(),
         "seen": seen.numpy().tolist(),
         "steps": state.steps,

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective, data, elastic
+from elasticdl_strategy import AllReduceStrategy, data, elastic, runtime
 from tests.workers.report import write_named_report
 
 out_dir, config = sys.argv[1], json.loads(sys.argv[2])
@@ -38,15 +38,15 @@ sizes = set()
 
 
 def before_step():
-    sizes.add(collective.size())
-    if config.get("kill") == state.steps and collective.rank() == 1:
+    sizes.add(runtime.size())
+    if config.get("kill") == state.steps and runtime.rank() == 1:
         marker = os.path.join(out_dir, "killed")
         if not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
     if config.get("hold") == state.steps:
         deadline = time.monotonic() + 90
-        while collective.size() < config["workers"] and time.monotonic() < deadline:
+        while runtime.size() < config["workers"] and time.monotonic() < deadline:
             state.commit()  # a joiner enters at a commit
             time.sleep(0.05)
 
@@ -100,4 +100,4 @@ write_named_report(
         "steps": state.steps,
     },
 )
-collective.shutdown()
+runtime.shutdown()

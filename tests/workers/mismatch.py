@@ -4,17 +4,17 @@ import sys
 
 import numpy as np
 
-from elasticdl_strategy import collective, errors
+from elasticdl_strategy import errors, runtime
 from tests.workers.report import write_report
 
 
 def main(results_dir: str) -> None:
-    collective.init()
-    rank, n = collective.rank(), collective.size()
+    runtime.init()
+    rank, n = runtime.rank(), runtime.size()
     shape = (5,) if rank == n - 1 else (4,)
     outcome = {"rank": rank}
     try:
-        collective.allreduce(np.ones(shape, np.float32))
+        runtime.allreduce(np.ones(shape, np.float32))
         outcome["error"] = None
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, ranks=list(getattr(e, "ranks", [])), message=str(e))

@@ -10,26 +10,26 @@ import time
 
 import numpy as np
 
-from elasticdl_strategy import collective, errors
+from elasticdl_strategy import errors, runtime
 from tests.workers.report import write_named_report
 
 
 def main(results_dir: str) -> None:
-    collective.init()
+    runtime.init()
     worker_id = os.environ["EDL_WORKER_ID"]
     array = np.ones(1 << 20, np.float32)  # 4 MiB: the ring, payloads on the data path under test
     for _ in range(5):
-        collective.allreduce(array)
-    p2p = collective.communicator().p2p
-    outcome = {"rank": collective.rank(), "data_socket_peers": p2p.data_socket_peers, "error": None}
+        runtime.allreduce(array)
+    p2p = runtime.communicator().p2p
+    outcome = {"rank": runtime.rank(), "data_socket_peers": p2p.data_socket_peers, "error": None}
     open(os.path.join(results_dir, f"{worker_id}.started"), "w").close()
     try:
         for _ in range(1_000_000):
-            collective.allreduce(array)
+            runtime.allreduce(array)
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, at=time.time(), message=str(e))
     write_named_report(results_dir, worker_id, outcome)
-    collective.shutdown()  # must not hang on threads blocked on the cut connections
+    runtime.shutdown()  # must not hang on threads blocked on the cut connections
     sys.exit(3 if outcome["error"] else 0)
 
 

@@ -11,18 +11,18 @@ import time
 
 import numpy as np
 
-from elasticdl_strategy import collective, errors
+from elasticdl_strategy import errors, runtime
 from tests.workers.report import write_report
 
 
 def main(results_dir: str, how: str) -> None:
-    collective.init()
-    rank, n = collective.rank(), collective.size()
+    runtime.init()
+    rank, n = runtime.rank(), runtime.size()
     victim = n - 1
-    collective.barrier()
+    runtime.barrier()
     if rank == victim:
         for _ in range(20):
-            collective.allreduce(np.ones(1 << 16, np.float32))
+            runtime.allreduce(np.ones(1 << 16, np.float32))
         with open(os.path.join(results_dir, "victim.json"), "w") as f:
             json.dump({"rank": rank, "killed_at": time.time()}, f)
         # SIGSTOP: a hung peer whose sockets stay open; only missed heartbeats reveal it.
@@ -30,11 +30,11 @@ def main(results_dir: str, how: str) -> None:
     outcome = {"rank": rank, "error": None}
     try:
         for _ in range(100_000):
-            collective.allreduce(np.ones(1 << 16, np.float32))
+            runtime.allreduce(np.ones(1 << 16, np.float32))
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e))
-    outcome["shared_memory_peers"] = collective.communicator().p2p.shared_memory_peers
-    outcome["data_socket_peers"] = collective.communicator().p2p.data_socket_peers
+    outcome["shared_memory_peers"] = runtime.communicator().p2p.shared_memory_peers
+    outcome["data_socket_peers"] = runtime.communicator().p2p.data_socket_peers
     write_report(results_dir, rank, outcome)
     sys.exit(3 if outcome["error"] else 0)
 

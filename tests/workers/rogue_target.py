@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
-from elasticdl_strategy import collective
+from elasticdl_strategy import runtime
 from tests.workers.report import write_report
 
 out_dir, blocks, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-collective.init()
-rank, size = collective.rank(), collective.size()
-server = collective.current_worker()._server
+runtime.init()
+rank, size = runtime.rank(), runtime.size()
+server = runtime.current_worker()._server
 ports = {"peer": server.port, "data": server.data_sockets.port if server.data_sockets else None}
 with open(os.path.join(out_dir, f".ports-rank{rank}.tmp"), "w") as f:
     json.dump(ports, f)
@@ -40,13 +40,13 @@ for block in range(blocks):
     wait_for(f"go-{block}")
     started = time.monotonic()
     for i in range(rounds):
-        total = collective.allreduce(big * (rank + 1))
+        total = runtime.allreduce(big * (rank + 1))
         exact &= bool(np.array_equal(total, big * (size * (size + 1) // 2)))
-        small = collective.allreduce(np.array([i, rank], np.int64))
+        small = runtime.allreduce(np.array([i, rank], np.int64))
         exact &= bool(small[0] == i * size and small[1] == size * (size - 1) // 2)
     seconds.append(time.monotonic() - started)
     open(os.path.join(out_dir, f"done-{block}-rank{rank}"), "w").close()
-report = {"exact": exact, "version": collective.current_worker().membership.version, "seconds": seconds}
+report = {"exact": exact, "version": runtime.current_worker().membership.version, "seconds": seconds}
 write_report(out_dir, rank, report)
 wait_for("stop")  # the servers stay up until the test's attack is over
-collective.shutdown()
+runtime.shutdown()

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 
@@ -21,7 +21,7 @@ def _graph_mode_variable(strategy):
 
 def main(results_dir: str) -> None:
     strategy = AllReduceStrategy()
-    rank, n = collective.rank(), collective.size()
+    rank, n = runtime.rank(), runtime.size()
     out = {"rank": rank, "size": n}
 
     def replica_values():
@@ -130,7 +130,7 @@ def main(results_dir: str) -> None:
     out["should_checkpoint"] = strategy.extended.should_checkpoint
     if strategy.extended.should_checkpoint:
         checkpoint.write(path)
-    collective.barrier()
+    runtime.barrier()
     saved = [w.numpy().tolist() for w in model.weights]
     for w in model.weights:
         w.assign(tf.zeros_like(w))
@@ -140,7 +140,7 @@ def main(results_dir: str) -> None:
     out["writes_files"] = strategy.writes_files
 
     write_report(results_dir, rank, out)
-    collective.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

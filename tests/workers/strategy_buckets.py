@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.strategy import bridge
 from tests.workers.report import write_report
@@ -36,7 +36,7 @@ RECORDING = [False]
 
 
 def record_allreduce_calls() -> None:
-    communicator = collective.communicator()
+    communicator = runtime.communicator()
     original = communicator.allreduce
 
     def recording(array, *args, **kwargs):
@@ -108,11 +108,11 @@ def main(results_dir: str) -> None:
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy(bucket_bytes=BUCKET_BYTES)
     # A different seed on every rank: the variables must start from rank 0's values anyway.
-    keras.utils.set_random_seed(1234 + collective.rank())
+    keras.utils.set_random_seed(1234 + runtime.rank())
     record_allreduce_calls()
     report = {
-        "rank": collective.rank(),
-        "size": collective.size(),
+        "rank": runtime.rank(),
+        "size": runtime.size(),
         "compression_supported": COMPRESSION_SUPPORTED,
         "fit": train_fit(strategy),
         "graph": train_custom(strategy, eager=False),
@@ -121,8 +121,8 @@ def main(results_dir: str) -> None:
     if COMPRESSION_SUPPORTED:
         compressed = AllReduceStrategy(bucket_bytes=BUCKET_BYTES, compression="bf16")
         report["bf16"] = train_custom(compressed, eager=False)
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 import keras
 import numpy as np
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 EPOCHS = 4
@@ -54,7 +54,7 @@ def interrupted_and_resumed(strategy, data, backup_dir):
         shuffle=False,
         callbacks=[keras.callbacks.BackupAndRestore(backup_dir)],
     )
-    collective.barrier()  # rank 0 deletes the backup at the end of its fit: wait for it
+    runtime.barrier()  # rank 0 deletes the backup at the end of its fit: wait for it
     return {
         "epochs_after_resume": len(history.history["loss"]),
         "weights": [w.numpy().ravel().tolist() for w in resumed.weights],
@@ -66,11 +66,11 @@ def interrupted_and_resumed(strategy, data, backup_dir):
 def main(results_dir: str, files: str) -> None:
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy()
-    keras.utils.set_random_seed(3 + collective.rank())
+    keras.utils.set_random_seed(3 + runtime.rank())
     rng = np.random.default_rng(0)
     x = rng.standard_normal((96, 4))
     data = (x, np.tanh(x.sum(axis=1, keepdims=True)))
-    out = {"rank": collective.rank()}
+    out = {"rank": runtime.rank()}
 
     model = build(strategy)
     logs = os.path.join(files, "logs")
@@ -85,12 +85,12 @@ def main(results_dir: str, files: str) -> None:
             callbacks=[keras.callbacks.TensorBoard(logs), keras.callbacks.CSVLogger(csv, append=True)],
         )
 
-    keras.utils.set_random_seed(3 + collective.rank())
+    keras.utils.set_random_seed(3 + runtime.rank())
     out["shared"] = interrupted_and_resumed(strategy, data, os.path.join(files, "backup"))
-    keras.utils.set_random_seed(3 + collective.rank())
-    out["own"] = interrupted_and_resumed(strategy, data, os.path.join(files, f"backup-of-rank{collective.rank()}"))
-    write_report(results_dir, collective.rank(), out)
-    collective.shutdown()
+    keras.utils.set_random_seed(3 + runtime.rank())
+    out["own"] = interrupted_and_resumed(strategy, data, os.path.join(files, f"backup-of-rank{runtime.rank()}"))
+    write_report(results_dir, runtime.rank(), out)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

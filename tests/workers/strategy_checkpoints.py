@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 
@@ -22,14 +22,14 @@ def weights(model):
 
 def main(results_dir: str, directory: str) -> None:
     strategy = AllReduceStrategy()
-    keras.utils.set_random_seed(5 + collective.rank())
+    keras.utils.set_random_seed(5 + runtime.rank())
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         optimizer = keras.optimizers.Adam(0.01)
         model.compile(optimizer=optimizer, loss="mse")
     x = np.random.default_rng(0).standard_normal((32, 4))
     model.fit(x, x[:, :3], batch_size=8, epochs=1, verbose=0, shuffle=False)
-    out = {"rank": collective.rank()}
+    out = {"rank": runtime.rank()}
 
     # tf.train.Checkpoint.save and .write, from every worker, several times at the same moment.
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
@@ -54,7 +54,7 @@ def main(results_dir: str, directory: str) -> None:
     model.fit(x, x[:, :3], batch_size=8, epochs=1, verbose=0, shuffle=False)
     out["trained"] = weights(model)
 
-    collective.barrier()  # rank 0 has written everything: every rank may read
+    runtime.barrier()  # rank 0 has written everything: every rank may read
     out["tf_latest"] = tf.train.latest_checkpoint(os.path.join(directory, "managed"))
     for variable in model.weights:
         variable.assign(tf.zeros_like(variable))
@@ -63,8 +63,8 @@ def main(results_dir: str, directory: str) -> None:
     out["restored_iterations"] = int(optimizer.iterations.numpy())
     loaded = tf.saved_model.load(os.path.join(directory, "exported"))
     out["exported_output"] = np.asarray(loaded.serve(tf.constant(x[:2], tf.float32))).tolist()
-    write_report(results_dir, collective.rank(), out)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), out)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 GLOBAL_BATCH = 48
@@ -33,17 +33,17 @@ def main(compression: str, results_dir: str) -> None:
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(2)])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
-    before = collective.stats()["bytes_sent"]
+    before = runtime.stats()["bytes_sent"]
     history = model.fit(data(), epochs=3, verbose=0, shuffle=False)
     report = {
-        "rank": collective.rank(),
-        "size": collective.size(),
+        "rank": runtime.rank(),
+        "size": runtime.size(),
         "weights": [w.numpy().ravel().tolist() for w in model.weights],
         "losses": [float(x) for x in history.history["loss"]],
-        "bytes_sent": collective.stats()["bytes_sent"] - before,
+        "bytes_sent": runtime.stats()["bytes_sent"] - before,
     }
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 GLOBAL_BATCH = 48  # divisible by 2 and 3, and so is ROWS: equal shares on every worker
@@ -178,14 +178,14 @@ SCENARIOS = {
 def main(results_dir, names):
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy()
-    report = {"rank": collective.rank(), "size": collective.size()}
+    report = {"rank": runtime.rank(), "size": runtime.size()}
     for name in names:
         # A different seed on every rank: the variables must start from rank 0's values anyway.
-        keras.utils.set_random_seed(1234 + collective.rank())
+        keras.utils.set_random_seed(1234 + runtime.rank())
         model, extra = SCENARIOS[name](strategy)
         report[name] = {"weights": [np.asarray(w.numpy(), np.float64).ravel().tolist() for w in model.weights], **extra}
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

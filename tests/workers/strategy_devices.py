@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 
@@ -91,7 +91,7 @@ def _fit(strategy) -> dict:
 
 def main(results_dir: str, mode: str) -> None:
     strategy = _strategy_on_cpu_1() if mode == "stand-in" else AllReduceStrategy()
-    rank = collective.rank()
+    rank = runtime.rank()
     report = {"worker_devices": list(strategy.extended.worker_devices)}
     report.update(_fit(strategy))
     report.update(_eager_placement(strategy, rank))

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from elasticdl_strategy.errors import ConfigError
 from tests.workers.report import write_report
 
@@ -103,12 +103,12 @@ def main(results_dir: str, files_dir: str) -> None:
         "off": (files[:1], "list", Policy.OFF),
         "file_one_file": (files[:1], "list", Policy.FILE),
     }
-    collective.init()
-    report = {"rank": collective.rank(), "size": collective.size()}
+    runtime.init()
+    report = {"rank": runtime.rank(), "size": runtime.size()}
     for name, (names, kind, policy) in scenarios.items():
         report[name] = train(names, kind, policy, records)
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

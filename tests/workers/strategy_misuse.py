@@ -5,7 +5,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 
@@ -62,8 +62,8 @@ def main(results_dir: str) -> None:
             outcomes[case.__name__] = None
         except Exception as e:  # recorded: the test checks type and message
             outcomes[case.__name__] = f"{type(e).__name__}: {e}"
-    write_report(results_dir, collective.rank(), outcomes)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), outcomes)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

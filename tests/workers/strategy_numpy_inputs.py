@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 ROWS = 120  # 96 train and 24 validation rows with validation_split=0.2
@@ -68,14 +68,14 @@ def main(results_dir: str, shuffle: str) -> None:
         verbose=0,
     )
     report = {
-        "rank": collective.rank(),
+        "rank": runtime.rank(),
         "counts": counts,
         "firsts": firsts,
         "val_loss": history.history["val_loss"],
         "weights": [w.numpy().ravel().tolist() for w in model.trainable_weights],
     }
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 
 GLOBAL_BATCH = 16
@@ -28,7 +28,7 @@ OPTIMIZERS = {
 
 
 def train(strategy, optimizer_name, densify):
-    keras.utils.set_random_seed(7 + collective.rank())
+    keras.utils.set_random_seed(7 + runtime.rank())
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 30, size=(128, 3))  # repeated ids within and across workers' rows
     targets = rng.standard_normal((128, 1))
@@ -59,19 +59,19 @@ def train(strategy, optimizer_name, densify):
         return strategy.reduce("SUM", strategy.run(replica_fn, args=(x, y)), axis=None)
 
     step(*next(iter(dataset)))  # trace outside the count
-    before = collective.communicator().p2p.messages_sent
+    before = runtime.communicator().p2p.messages_sent
     losses = [float(step(x, y)) for _ in range(3) for x, y in dataset]
-    kinds["messages_per_step"] = (collective.communicator().p2p.messages_sent - before) / len(losses)
+    kinds["messages_per_step"] = (runtime.communicator().p2p.messages_sent - before) / len(losses)
     return {"weights": [w.numpy().ravel().tolist() for w in model.weights], "losses": losses, **kinds}
 
 
 def main(reduction: str, results_dir: str, optimizers) -> None:
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy(sparse_as_dense=reduction == "dense")
-    densify = reduction == "dense" and collective.size() == 1
-    report = {"rank": collective.rank(), **{name: train(strategy, name, densify) for name in optimizers}}
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    densify = reduction == "dense" and runtime.size() == 1
+    report = {"rank": runtime.rank(), **{name: train(strategy, name, densify) for name in optimizers}}
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

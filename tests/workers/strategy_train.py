@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective
+from elasticdl_strategy import AllReduceStrategy, runtime
 from tests.workers.report import write_report
 from tests.workers.train_step import make_step
 
@@ -58,9 +58,9 @@ def train_custom(strategy):
     step = tf.function(make_step(strategy, model, optimizer, GLOBAL_BATCH))
 
     step(*next(iter(dataset)))  # trace outside the count (and take one step)
-    before = collective.communicator().p2p.messages_sent
+    before = runtime.communicator().p2p.messages_sent
     losses = [float(step(x, y)) for _ in range(2) for x, y in dataset]
-    STATS["messages_per_step"] = (collective.communicator().p2p.messages_sent - before) / len(losses)
+    STATS["messages_per_step"] = (runtime.communicator().p2p.messages_sent - before) / len(losses)
     return model, losses
 
 
@@ -82,20 +82,20 @@ def main(mode: str, optimizer: str, results_dir: str) -> None:
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy()
     # A different seed on every rank: the variables must start from rank 0's values anyway.
-    keras.utils.set_random_seed(1234 + collective.rank())
+    keras.utils.set_random_seed(1234 + runtime.rank())
     model, losses = {"fit": train_fit, "custom": train_custom, "xla": train_xla}[mode](strategy)
     context_ids = strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
     report = {
-        "rank": collective.rank(),
-        "size": collective.size(),
+        "rank": runtime.rank(),
+        "size": runtime.size(),
         "replicas": strategy.num_replicas_in_sync,
         "replica_id": int(context_ids),
         "weights": [w.numpy().ravel().tolist() for w in model.weights],
         "losses": losses,
         **STATS,
     }
-    write_report(results_dir, collective.rank(), report)
-    collective.shutdown()
+    write_report(results_dir, runtime.rank(), report)
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ import sys
 
 import tensorflow as tf
 
-from elasticdl_strategy import AllReduceStrategy, collective, errors
+from elasticdl_strategy import AllReduceStrategy, errors, runtime
 from tests.workers.report import write_report
 
 
 def main(results_dir: str) -> None:
     strategy = AllReduceStrategy()
-    rank, n = collective.rank(), collective.size()
+    rank, n = runtime.rank(), runtime.size()
     names = ["bias", "kernel"] if rank == n - 1 else ["kernel", "bias"]
     outcome = {"rank": rank, "error": None}
     try:
@@ -20,7 +20,7 @@ def main(results_dir: str) -> None:
     except errors.CollectiveMismatchError as e:
         outcome.update(error=type(e).__name__, message=str(e), ranks=list(e.ranks))
     write_report(results_dir, rank, outcome)
-    collective.shutdown()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

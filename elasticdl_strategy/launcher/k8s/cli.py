@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, NoReturn, Optional
+from typing import List, Optional
 
 from elasticdl_strategy.errors import ConfigError, ElasticDLError
+from elasticdl_strategy.launcher.arguments import OneLineParser, split_command
 
 PROG = "elasticdl-strategy k8s"
 USAGE = f"""usage: {PROG} COMMAND ...
@@ -22,13 +23,8 @@ Commands:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _job_parser(command: str) -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=f"{PROG} {command}", usage=f"{PROG} {command} --name JOB --image IMAGE --workers N [...] -- CMD..."
     )
     p.add_argument("--name", required=True, help="job name (lower-case DNS label)")
@@ -58,7 +54,6 @@ def _job_parser(command: str) -> argparse.ArgumentParser:
 
 
 def _config(parser: argparse.ArgumentParser, argv: List[str]):
-    from elasticdl_strategy.cli import split_command
     from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig, parse_env
 
     options, command = split_command(argv)
@@ -133,7 +128,7 @@ def _master(argv: List[str]) -> int:
 
 
 def _job_name_parser(command: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=f"{PROG} {command}")
+    p = OneLineParser(prog=f"{PROG} {command}")
     p.add_argument("job", help="job name")
     p.add_argument("--namespace", "-n", default="default")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config or in-cluster)")

@@ -5,9 +5,9 @@ import types
 import numpy as np
 import pytest
 
-from elasticdl_strategy.collective.worker import ElasticLoop, Worker
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.errors import PeerFailureError
+from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2
 from tests.cluster import ThreadCluster

@@ -1,0 +1,268 @@
+"""Layer 4: this process's place in the job, and the collectives on the current membership.
+
+:func:`init` joins the job the launcher described (its server, its session
+with the coordinator, a communicator for the membership); the functions below
+run collectives on that communicator. Start the script with the launcher
+(``elasticdl-strategy run --workers 2 -- python train.py``) and call::
+
+    import numpy as np
+    from elasticdl_strategy import runtime
+
+    runtime.init()
+    total = runtime.allreduce(np.ones(4, np.float32))   # [2. 2. 2. 2.] on both workers
+    if runtime.rank() == 0:
+        runtime.send(np.arange(3), dst=1, tag=7)
+    elif runtime.rank() == 1:
+        print(runtime.recv(src=0, tag=7))
+    runtime.shutdown()
+
+A script started without the launcher runs as a single worker (rank 0 of 1).
+All functions raise :class:`~elasticdl_strategy.errors.ElasticDLError`
+subclasses on failure; every blocking call has a deadline (``timeout``
+argument, default ``EDL_TIMEOUT`` = 60 s).
+
+This layer sits above both :mod:`~elasticdl_strategy.collective` and
+:mod:`~elasticdl_strategy.coordinator`, and ties them together in
+:class:`~elasticdl_strategy.runtime.worker.Worker`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from typing import Dict, Mapping, Optional, Sequence
+
+import numpy as np
+
+from elasticdl_strategy.collective.communicator import Communicator
+from elasticdl_strategy.collective.p2p import Request
+from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
+from elasticdl_strategy.errors import ElasticDLError, JobFinished
+from elasticdl_strategy.logs import configure as configure_logging
+from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
+
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "communicator",
+    "current_worker",
+    "stats",
+    "allreduce",
+    "reduce",
+    "broadcast",
+    "allgather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "Request",
+    "Communicator",
+]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_worker: Optional[Worker] = None
+
+
+def init(env: Optional[Mapping[str, str]] = None) -> None:
+    """Joins the job described by the launcher's environment (``os.environ`` by default).
+
+    Blocks until the coordinator has formed a membership containing this
+    worker. Without ``EDL_COORDINATOR_ADDR`` it sets up a single worker
+    (rank 0 of 1) and says so in one log line. Calling it again is a no-op.
+
+    Raises:
+        ConfigError: the environment is invalid.
+        RendezvousError, RendezvousTimeoutError: no membership could be formed in time.
+        AuthenticationError: the coordinator rejected the job token.
+    """
+    global _worker
+    with _lock:
+        if _worker is not None:
+            return
+        env = os.environ if env is None else env
+        parsed = WorkerEnvironment.from_env(env)
+        _install_failure_hook()
+        if parsed is None:
+            configure_logging(lambda: "single worker", env)
+            logger.warning(
+                "%s is not set (not started by the launcher): running as a single worker, rank 0 of 1",
+                COORDINATOR_ADDR,
+            )
+            _worker = Worker.single()
+        else:
+            worker_id = parsed.worker_id
+            configure_logging(lambda: _describe_worker(worker_id), env)
+            try:
+                _worker = Worker.join(parsed)
+            except JobFinished as e:
+                logger.warning("%s: this standby exits", e)
+                raise SystemExit(0) from None
+        # Leave cleanly at exit, before the interpreter stops the thread pools gRPC relies on.
+        getattr(threading, "_register_atexit", atexit.register)(lambda: shutdown(finished=_finished_at_exit()))
+
+
+def _describe_worker(worker_id: str) -> str:
+    """``"worker-1 rank 0/2"`` (its current rank and size), or ``"worker-1 joining"``."""
+    worker = _worker
+    if worker is None:
+        return f"{worker_id} joining"
+    return f"{worker_id} rank {worker.communicator.rank}/{worker.communicator.size}"
+
+
+_crashed = False
+
+
+def _finished_at_exit() -> bool:
+    """Whether leaving at exit means the job is done: no uncaught exception, and an elastic
+    training loop (if there was one) that returned rather than exited with ``sys.exit``."""
+    return not _crashed and (_worker is None or _worker.elastic_loop is not ElasticLoop.RUNNING)
+
+
+def _install_failure_hook() -> None:
+    """Remembers an uncaught exception, so that leaving at exit does not mark the job finished."""
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        global _crashed
+        _crashed = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+
+
+def shutdown(finished: bool = True) -> None:
+    """Leaves the job: closes streams and the server, tells the coordinator. Idempotent.
+
+    ``finished`` (the default, and at a successful exit): this worker's
+    program is done, so the job is: workers waiting to join stop waiting.
+    """
+    global _worker
+    with _lock:
+        worker, _worker = _worker, None
+    if worker is not None:
+        worker.shutdown(finished=finished)
+
+
+def is_initialized() -> bool:
+    return _worker is not None
+
+
+def _current() -> Worker:
+    worker = _worker
+    if worker is None:
+        raise ElasticDLError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+    return worker
+
+
+def current_worker() -> Worker:
+    """This process's :class:`~elasticdl_strategy.runtime.worker.Worker` (for the elastic layer)."""
+    return _current()
+
+
+def communicator() -> Communicator:
+    """The communicator of the current membership."""
+    return _current().communicator
+
+
+def rank() -> int:
+    """This worker's rank: its position in join order, 0 for the oldest."""
+    return communicator().rank
+
+
+def size() -> int:
+    """Number of workers in the current membership."""
+    return communicator().size
+
+
+def stats() -> Dict[str, int]:
+    """Payload bytes and messages this rank sent and received since ``init``."""
+    p2p = communicator().p2p
+    return {
+        "bytes_sent": p2p.bytes_sent,
+        "bytes_received": p2p.bytes_received,
+        "messages_sent": p2p.messages_sent,
+        "messages_received": p2p.messages_received,
+    }
+
+
+def allreduce(
+    array,
+    op: str = "sum",
+    out: Optional[np.ndarray] = None,
+    timeout: Optional[float] = None,
+    compression: Optional[str] = None,
+) -> np.ndarray:
+    """Reduces ``array`` over all ranks with ``op`` ("sum", "mean", "min", "max", "prod").
+
+    Every rank gets a bitwise-identical result. Pass ``out=array`` to reduce in place.
+    ``compression="fp16"`` or ``"bf16"`` sends 16-bit values (float32/float64 arrays,
+    sum/mean/min/max); see :meth:`Communicator.allreduce` for the accuracy.
+    """
+    return communicator().allreduce(array, op=op, out=out, timeout=timeout, compression=compression)
+
+
+def reduce(array, root: int = 0, op: str = "sum", timeout: Optional[float] = None) -> Optional[np.ndarray]:
+    """Reduces ``array`` over all ranks onto ``root``; ``None`` on the other ranks."""
+    return communicator().reduce(array, root=root, op=op, timeout=timeout)
+
+
+def broadcast(array, root: int = 0, timeout: Optional[float] = None) -> np.ndarray:
+    """Returns ``root``'s ``array`` on every rank (all pass arrays of the same shape and dtype)."""
+    return communicator().broadcast(array, root=root, timeout=timeout)
+
+
+def allgather(array, timeout: Optional[float] = None) -> np.ndarray:
+    """Concatenates every rank's ``array`` along axis 0 in rank order (axis 0 may differ per rank)."""
+    return communicator().allgather(array, timeout=timeout)
+
+
+def gather(array, root: int = 0, timeout: Optional[float] = None) -> Optional[np.ndarray]:
+    """Like :func:`allgather`, but only ``root`` gets the result; ``None`` elsewhere."""
+    return communicator().gather(array, root=root, timeout=timeout)
+
+
+def scatter(arrays: Optional[Sequence], root: int = 0, timeout: Optional[float] = None) -> np.ndarray:
+    """Rank ``i`` receives ``arrays[i]`` of ``root``; non-root ranks may pass ``None``."""
+    return communicator().scatter(arrays, root=root, timeout=timeout)
+
+
+def reduce_scatter(array, op: str = "sum", timeout: Optional[float] = None) -> np.ndarray:
+    """Reduces ``array`` over all ranks and returns this rank's block of rows (split like ``np.array_split``)."""
+    return communicator().reduce_scatter(array, op=op, timeout=timeout)
+
+
+def barrier(timeout: Optional[float] = None) -> None:
+    """Returns once every rank has called ``barrier``."""
+    communicator().barrier(timeout=timeout)
+
+
+def send(array, dst: int, tag: int = 0, timeout: Optional[float] = None) -> None:
+    """Sends ``array`` to rank ``dst``; matched by (sender, tag, order) on the receiver."""
+    communicator().p2p.send(array, dst, tag=tag, timeout=timeout)
+
+
+def recv(src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None) -> np.ndarray:
+    """Receives the next array sent by ``src`` with ``tag`` (into ``out`` if given)."""
+    return communicator().p2p.recv(src, tag=tag, out=out, timeout=timeout)
+
+
+def isend(array, dst: int, tag: int = 0) -> Request:
+    """Non-blocking :func:`send`; don't modify ``array`` until ``request.wait()`` returns."""
+    return communicator().p2p.isend(array, dst, tag=tag)
+
+
+def irecv(src: int, tag: int = 0, out: Optional[np.ndarray] = None) -> Request:
+    """Non-blocking :func:`recv`; ``request.wait()`` returns the array."""
+    return communicator().p2p.irecv(src, tag=tag, out=out)
