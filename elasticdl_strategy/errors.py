@@ -7,12 +7,13 @@ Catch :class:`ElasticDLError` to handle every failure the library reports::
     try:
         runtime.allreduce(grads)
     except errors.PeerFailureError as e:
-        print("rank", e.rank, "is gone:", e)
+        print("rank", e.peer_rank, "is gone:", e)
 
-The hierarchy::
+The hierarchy (``tests/test_errors.py`` checks it against the code)::
 
     ElasticDLError
-    ├── ConfigError              bad flags, environment or arguments (before anything starts)
+    ├── ConfigError              bad flags, environment or configuration, found before anything starts
+    ├── UsageError               a call made while the job runs has invalid arguments or comes at the wrong time
     ├── AuthenticationError      a call was rejected: missing or wrong job token
     ├── RendezvousError          the coordinator could not form or reach a membership
     │   ├── RendezvousTimeoutError
@@ -23,11 +24,15 @@ The hierarchy::
     │   ├── CollectiveMismatchError  ranks called different collectives or arguments
     │   ├── CollectiveTimeoutError   a collective or recv passed its deadline
     │   ├── CommunicatorClosedError  the communicator was shut down
-    │   └── CommitAbortedError       a commit was not recorded: the membership changed
-    └── MembershipChangedInterrupt   (elastic) members join or leave at this commit
+    │   ├── CommitAbortedError       a commit was not recorded: the membership changed
+    │   └── DataSocketClosed         (internal) a data socket ended; its stream fails or falls back to gRPC
+    ├── MembershipChangedInterrupt   (elastic) members join or leave at this commit
+    ├── WorkerLeft               (elastic) this worker's graceful leave was recorded
+    ├── KubernetesError          the Kubernetes API refused or failed a request
+    └── Refusal                  (internal, coordinator) a request answered with an error status
 
 :func:`elasticdl_strategy.elastic.run` recovers from every CommunicationError
-except CollectiveMismatchError, and handles MembershipChangedInterrupt.
+except CollectiveMismatchError, and handles MembershipChangedInterrupt and WorkerLeft.
 """
 
 from __future__ import annotations
@@ -40,9 +45,19 @@ class ElasticDLError(Exception):
 
 
 class ConfigError(ElasticDLError, ValueError):
-    """A flag, environment variable or argument is invalid.
+    """A flag, environment variable or configuration value is invalid.
 
-    Raised before any process, server or collective starts.
+    Raised before any process, server or collective starts (by the launchers,
+    the coordinator's and servers' configuration, ``AllReduceStrategy(...)``).
+    """
+
+
+class UsageError(ElasticDLError, ValueError):
+    """A call made while the job runs has invalid arguments, or comes at the wrong time.
+
+    For example a dtype the collectives cannot reduce, a root that is not a
+    rank, a checkpoint of another model, a TensorFlow 1 API. Nothing was sent:
+    correct the call.
     """
 
 
@@ -132,6 +147,14 @@ class CommitAbortedError(CommunicationError):
         self.membership_version = membership_version
 
 
+class DataSocketClosed(CommunicationError):
+    """Internal: a direct data socket ended (EOF or reset) or was shut down.
+
+    The transport fails the socket's stream with it or falls back to gRPC;
+    the collectives report a :class:`PeerFailureError` if the peer is gone.
+    """
+
+
 class MembershipChangedInterrupt(ElasticDLError):
     """Raised by an elastic commit when workers join or leave at it.
 
@@ -142,3 +165,15 @@ class MembershipChangedInterrupt(ElasticDLError):
     def __init__(self, message: str, *, membership_version: int):
         super().__init__(message)
         self.membership_version = membership_version
+
+
+class WorkerLeft(ElasticDLError):
+    """This worker's graceful leave (SIGTERM) was recorded at a commit: it is no longer a member.
+
+    Raised by :meth:`elasticdl_strategy.elastic.State.commit`; :func:`elasticdl_strategy.elastic.run`
+    ends the worker there.
+    """
+
+
+class KubernetesError(ElasticDLError):
+    """The Kubernetes API refused or failed a request (the message says which and why)."""

@@ -27,8 +27,8 @@ from elasticdl_strategy.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     CommunicationError,
-    ConfigError,
     PeerFailureError,
+    UsageError,
 )
 from elasticdl_strategy.transport.protos import peer_pb2
 
@@ -203,7 +203,7 @@ class Communicator:
         array = as_supported_array(array)
         ufunc = check_reduce_op(op, array.dtype)
         if array.ndim == 0:
-            raise ConfigError("reduce_scatter needs an array with at least one dimension")
+            raise UsageError("reduce_scatter needs an array with at least one dimension")
         work = np.array(array, copy=True)
         row_bounds = ring.even_bounds(array.shape[0], self.size)
         row_elems = int(np.prod(array.shape[1:], dtype=np.int64))
@@ -244,7 +244,7 @@ class Communicator:
         """
         array = as_supported_array(array)
         if array.ndim == 0:
-            raise ConfigError("allgather needs an array with at least one dimension")
+            raise UsageError("allgather needs an array with at least one dimension")
         step = self._begin("allgather", array.dtype, (-1,) + array.shape[1:], timeout=timeout)
         with self._running(step):
             rows = np.zeros(self.size, np.int64)
@@ -266,7 +266,7 @@ class Communicator:
         array = as_supported_array(array)
         self._check_root(root)
         if array.ndim == 0:
-            raise ConfigError("gather needs an array with at least one dimension")
+            raise UsageError("gather needs an array with at least one dimension")
         step = self._begin("gather", array.dtype, (-1,) + array.shape[1:], root=root, timeout=timeout)
         with self._running(step):
             if self.rank != root:
@@ -286,7 +286,7 @@ class Communicator:
         if self.rank == root:
             if arrays is None or len(arrays) != self.size:
                 got = "None" if arrays is None else f"{len(arrays)} arrays"
-                raise ConfigError(f"scatter on root {root} needs a list of {self.size} arrays, got {got}")
+                raise UsageError(f"scatter on root {root} needs a list of {self.size} arrays, got {got}")
             arrays = [as_supported_array(a) for a in arrays]
         step = self._begin("scatter", None, (), root=root, timeout=timeout)
         with self._running(step):
@@ -345,7 +345,7 @@ class Communicator:
             or out.dtype != array.dtype
             or not out.flags.c_contiguous
         ):
-            raise ConfigError(
+            raise UsageError(
                 f"out must be a C-contiguous array of shape {array.shape} and dtype {array.dtype}, "
                 f"got {getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}"
             )
@@ -355,7 +355,7 @@ class Communicator:
 
     def _check_root(self, root: int) -> None:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
-            raise ConfigError(f"root={root!r} is not a rank (0..{self.size - 1})")
+            raise UsageError(f"root={root!r} is not a rank (0..{self.size - 1})")
 
     # ---- sequencing, mismatch detection, aborts -------------------------------------------
 
@@ -364,7 +364,7 @@ class Communicator:
     ) -> ring.CollectiveCall:
         timeout = self.timeout_s if timeout is None else timeout
         if not timeout > 0:
-            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
+            raise UsageError(f"timeout={timeout!r} must be a positive number of seconds")
         self._raise_if_aborted()
         descriptor = peer_pb2.CollectiveDescriptor(
             sequence=self._sequence,

@@ -22,7 +22,7 @@ import numpy as np
 
 from elasticdl_strategy.collective.dtypes import dtype_name
 from elasticdl_strategy.collective.mailbox import Sink
-from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
+from elasticdl_strategy.errors import CollectiveMismatchError, UsageError
 from elasticdl_strategy.transport.protos import peer_pb2
 
 # compression name -> dtype on the wire
@@ -39,19 +39,19 @@ def check_compression(compression, dtype: np.dtype, op: str) -> Optional[str]:
     """Returns the wire format name ("fp16" or "bf16"), or ``None`` for no compression.
 
     Raises:
-        ConfigError: an unknown name, or a dtype or op that cannot be compressed.
+        UsageError: an unknown name, or a dtype or op that cannot be compressed.
     """
     if compression is None or (isinstance(compression, str) and compression == "none"):
         return None
     if not isinstance(compression, str) or compression not in WIRE_DTYPES:
-        raise ConfigError(f"unknown compression {compression!r}; expected None, 'none', 'fp16' or 'bf16'")
+        raise UsageError(f"unknown compression {compression!r}; expected None, 'none', 'fp16' or 'bf16'")
     if np.dtype(dtype) not in _COMPRESSIBLE_DTYPES:
-        raise ConfigError(
+        raise UsageError(
             f"compression={compression!r} needs a float32 or float64 array, got {dtype_name(dtype)}; "
             "use compression=None"
         )
     if op not in _COMPRESSIBLE_OPS:
-        raise ConfigError(
+        raise UsageError(
             f"compression={compression!r} does not support op={op!r}; use one of {', '.join(_COMPRESSIBLE_OPS)}"
         )
     return compression

@@ -7,7 +7,7 @@ from typing import Callable, Dict
 import ml_dtypes
 import numpy as np
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 SUPPORTED_DTYPES: Dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
@@ -47,21 +47,21 @@ def dtype_from_name(name: str) -> np.dtype:
     try:
         return SUPPORTED_DTYPES[name]
     except KeyError:
-        raise ConfigError(f"unsupported dtype {name!r}; supported: {', '.join(SUPPORTED_DTYPES)}") from None
+        raise UsageError(f"unsupported dtype {name!r}; supported: {', '.join(SUPPORTED_DTYPES)}") from None
 
 
 def as_supported_array(array) -> np.ndarray:
     """Returns ``array`` as a C-contiguous, native-byte-order array of a supported dtype.
 
     Raises:
-        ConfigError: the dtype is not supported.
+        UsageError: the dtype is not supported.
     """
     array = np.asarray(array)
     if array.dtype not in _NAMES:
         if array.dtype.kind in "biuf" and not array.dtype.isnative:
             array = array.astype(array.dtype.newbyteorder("="))
         if array.dtype not in _NAMES:
-            raise ConfigError(f"unsupported dtype {array.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
+            raise UsageError(f"unsupported dtype {array.dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
     # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
     return array if array.flags.c_contiguous else array.copy(order="C")
 
@@ -70,14 +70,14 @@ def check_reduce_op(op: str, dtype: np.dtype) -> Callable:
     """Returns the ufunc of reduction ``op`` for ``dtype``.
 
     Raises:
-        ConfigError: unknown op, or one that is not meaningful for the dtype
+        UsageError: unknown op, or one that is not meaningful for the dtype
             (``mean`` of integers or booleans, ``sum``/``prod`` of booleans).
     """
     if op not in REDUCE_UFUNCS:
-        raise ConfigError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_UFUNCS)}")
+        raise UsageError(f"unknown reduce op {op!r}; expected one of {', '.join(REDUCE_UFUNCS)}")
     name = dtype_name(dtype)
     if op == "mean" and name not in _FLOATING:
-        raise ConfigError(f"op='mean' needs a floating dtype, got {name}; use op='sum' and divide")
+        raise UsageError(f"op='mean' needs a floating dtype, got {name}; use op='sum' and divide")
     if name == "bool" and op not in ("min", "max"):
-        raise ConfigError(f"op={op!r} is not defined for bool; use 'min' (logical and) or 'max' (logical or)")
+        raise UsageError(f"op={op!r} is not defined for bool; use 'min' (logical and) or 'max' (logical or)")
     return REDUCE_UFUNCS[op]

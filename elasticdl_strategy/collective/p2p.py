@@ -26,8 +26,8 @@ from elasticdl_strategy.errors import (
     CollectiveTimeoutError,
     CommunicationError,
     CommunicatorClosedError,
-    ConfigError,
     PeerFailureError,
+    UsageError,
 )
 from elasticdl_strategy.transport import futex
 from elasticdl_strategy.transport.data_socket import host_of
@@ -163,7 +163,7 @@ class PointToPoint:
         worker_ids: Optional[Sequence[str]] = None,
     ):
         if not 0 <= rank < len(addresses):
-            raise ConfigError(f"rank {rank} is outside a membership of {len(addresses)} workers")
+            raise UsageError(f"rank {rank} is outside a membership of {len(addresses)} workers")
         self.rank = rank
         self.size = len(addresses)
         self.addresses = list(addresses)
@@ -292,7 +292,7 @@ class PointToPoint:
         """
         self._check_peer(src, "receive from", allow_failed=True)
         if out is not None and (not isinstance(out, np.ndarray) or not out.flags.c_contiguous):
-            raise ConfigError("out must be a C-contiguous numpy array")
+            raise UsageError("out must be a C-contiguous numpy array")
         sink = sink or ArraySink(self.rank, out)
         self._read_lane_of(src)  # what already arrived in its lane, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
@@ -427,7 +427,7 @@ class PointToPoint:
 
     def _check_peer(self, peer: int, what: str, allow_failed: bool = False) -> None:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
-            raise ConfigError(f"cannot {what} rank {peer!r}: ranks are 0..{self.size - 1}")
+            raise UsageError(f"cannot {what} rank {peer!r}: ranks are 0..{self.size - 1}")
         if self._closed:
             raise CommunicatorClosedError(f"rank {self.rank}: the communicator is shut down", rank=self.rank)
         if peer in self._failed and not allow_failed:

@@ -15,10 +15,10 @@ from elasticdl_strategy.errors import (
     AuthenticationError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    ConfigError,
     JobFinished,
     RendezvousError,
     RendezvousTimeoutError,
+    UsageError,
     WorkerReplaced,
 )
 from elasticdl_strategy.transport.auth import call_metadata
@@ -282,7 +282,7 @@ class CoordinatorClient:
         """Returns ``(starts, ends)`` of the shards of ``epoch``, registering ``spec`` on first use.
 
         Raises:
-            ConfigError: ``spec`` differs from the job's dataset.
+            UsageError: ``spec`` differs from the job's dataset.
         """
         deadline = time.monotonic() + timeout
         request = coordinator_pb2.GetShardsRequest(worker_id=self.worker_id, spec=spec, epoch=epoch)
@@ -292,7 +292,7 @@ class CoordinatorClient:
                 return list(response.starts), list(response.ends)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ConfigError(e.details()) from None
+                    raise UsageError(e.details()) from None
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise RendezvousError(f"worker {self.worker_id}: GetShards failed: {e.details()}") from None
                 time.sleep(_RETRY_PAUSE_S)

@@ -40,7 +40,7 @@ import grpc
 from elasticdl_strategy.coordinator.changes import Changes
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
 from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
-from elasticdl_strategy.errors import ConfigError, ElasticDLError
+from elasticdl_strategy.errors import ConfigError, ElasticDLError, UsageError
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)
@@ -578,6 +578,6 @@ class Coordinator:
         try:
             spec = DatasetSpec(s.num_records, s.shard_size, s.seed, s.shuffle, s.fingerprint)
             starts, ends = self.shards.get(spec, request.epoch)
-        except ConfigError as e:
+        except UsageError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return coordinator_pb2.GetShardsResponse(starts=starts.tolist(), ends=ends.tolist())

@@ -15,7 +15,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +30,11 @@ class DatasetSpec:
 
     def __post_init__(self) -> None:
         if self.num_records < 1:
-            raise ConfigError(f"num_records={self.num_records} must be at least 1")
+            raise UsageError(f"num_records={self.num_records} must be at least 1")
         if self.shard_size < 1:
-            raise ConfigError(f"shard_size={self.shard_size} must be at least 1")
+            raise UsageError(f"shard_size={self.shard_size} must be at least 1")
         if not 0 <= self.seed < 2**63:
-            raise ConfigError(f"seed={self.seed} must be a non-negative 64-bit integer")
+            raise UsageError(f"seed={self.seed} must be a non-negative 64-bit integer")
 
     def shards(self, epoch: int) -> Tuple[np.ndarray, np.ndarray]:
         """Returns ``(starts, ends)`` of the shards of ``epoch`` in consumption order."""
@@ -58,15 +58,15 @@ class ShardTables:
         """Registers ``spec`` on first use; returns the shard order of ``epoch``.
 
         Raises:
-            ConfigError: ``spec`` differs from the one registered first (names both).
+            UsageError: ``spec`` differs from the one registered first (names both).
         """
         if epoch < 0:
-            raise ConfigError(f"epoch={epoch} must not be negative")
+            raise UsageError(f"epoch={epoch} must not be negative")
         with self._lock:
             if self.spec is None:
                 self.spec = spec
             elif spec != self.spec:
-                raise ConfigError(f"this worker's dataset {spec} differs from the job's {self.spec}")
+                raise UsageError(f"this worker's dataset {spec} differs from the job's {self.spec}")
             if epoch not in self._cache:
                 if len(self._cache) >= 4:
                     self._cache.pop(min(self._cache))

@@ -34,7 +34,7 @@ import tensorflow as tf
 from elasticdl_strategy import runtime
 from elasticdl_strategy.data.plan import rank_share, step_bounds
 from elasticdl_strategy.data.records import ElasticRecords
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 from elasticdl_strategy.strategy.input_sharding import mark_per_worker
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class ElasticFiles(ElasticRecords):
         seed, shuffle: the shards' order, reshuffled every epoch.
 
     Every worker must pass the same files with the same counts: the coordinator refuses
-    a worker whose list differs (``ConfigError`` naming both).
+    a worker whose list differs (``UsageError`` naming both).
 
     Example::
 
@@ -103,22 +103,22 @@ class ElasticFiles(ElasticRecords):
         shuffle: bool = True,
     ):
         if isinstance(files, str) or not files:
-            raise ConfigError("ElasticFiles needs a non-empty list of file names")
+            raise UsageError("ElasticFiles needs a non-empty list of file names")
         if format not in FORMATS:
-            raise ConfigError(f"ElasticFiles(format={format!r}): expected one of {', '.join(FORMATS)}")
+            raise UsageError(f"ElasticFiles(format={format!r}): expected one of {', '.join(FORMATS)}")
         if header_lines < 0 or (header_lines and format != "text"):
-            raise ConfigError(f"header_lines={header_lines}: a non-negative number, for text files only")
+            raise UsageError(f"header_lines={header_lines}: a non-negative number, for text files only")
         self.files = [os.fspath(f) for f in files]
         self.format, self.compression_type, self.header_lines = format, compression_type, header_lines
         if record_counts is None:
             lines = count_records(self.files, self._reader, counts_cache)
             record_counts = [max(0, n - header_lines) for n in lines]
         if len(record_counts) != len(self.files) or any(c < 0 for c in record_counts):
-            raise ConfigError(f"record_counts: one non-negative count per file ({len(self.files)} files)")
+            raise UsageError(f"record_counts: one non-negative count per file ({len(self.files)} files)")
         self.record_counts = [int(c) for c in record_counts]
         total = sum(self.record_counts)
         if total == 0:
-            raise ConfigError(f"the {len(self.files)} files hold no records")
+            raise UsageError(f"the {len(self.files)} files hold no records")
         shard_size = shard_size or max(self.record_counts)
         super().__init__(total, batch_size, shard_size, seed, shuffle, global_batch_size=global_batch_size)
         self.spec = dataclasses.replace(self.spec, fingerprint=_fingerprint(self.files, self.record_counts))
@@ -208,7 +208,7 @@ def count_records(files: Sequence[str], reader: Callable[[str], tf.data.Dataset]
         try:
             status = os.stat(name)
         except OSError as e:
-            raise ConfigError(f"cannot read {name}: {e.strerror}") from None
+            raise UsageError(f"cannot read {name}: {e.strerror}") from None
         key = f"{os.path.abspath(name)}:{status.st_size}:{status.st_mtime_ns}"
         if key not in known:
             known[key] = int(reader(name).reduce(np.int64(0), lambda n, _: n + 1))

@@ -24,7 +24,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +48,11 @@ class BatchPolicy:
 
     def __post_init__(self) -> None:
         if (self.per_worker is None) == (self.global_batch is None):
-            raise ConfigError("give either a batch size per worker or a global batch size, not both or neither")
+            raise UsageError("give either a batch size per worker or a global batch size, not both or neither")
         for name in ("per_worker", "global_batch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{'batch_size' if name == 'per_worker' else 'global_batch_size'}={value!r} "
+                raise UsageError(f"{'batch_size' if name == 'per_worker' else 'global_batch_size'}={value!r} "
                                   "must be a positive integer")  # fmt: skip
 
     def step_records(self, workers: int) -> int:

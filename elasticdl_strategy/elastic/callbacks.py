@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 
 class CommitStateCallback(keras.callbacks.Callback):
@@ -27,7 +27,7 @@ class CommitStateCallback(keras.callbacks.Callback):
     def __init__(self, state, batches_per_commit: int = 1):
         super().__init__()
         if batches_per_commit < 1:
-            raise ConfigError(f"batches_per_commit={batches_per_commit} must be at least 1")
+            raise UsageError(f"batches_per_commit={batches_per_commit} must be at least 1")
         self.state = state
         self.batches_per_commit = batches_per_commit
         self._since_commit = 0
@@ -38,7 +38,7 @@ class CommitStateCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         steps = getattr(self.model, "steps_per_execution", 1) or 1
         if int(steps) != 1:
-            raise ConfigError(
+            raise UsageError(
                 f"CommitStateCallback needs compile(steps_per_execution=1), not {int(steps)}: Keras calls batch "
                 "callbacks once per execution, so the data position would fall behind the steps taken"
             )

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy.elastic.snapshot import Snapshot
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 _LATEST = "latest"
 
@@ -33,7 +33,7 @@ class CheckpointStore:
 
     def __init__(self, directory: str, keep: int = 2):
         if keep < 1:
-            raise ConfigError(f"keep={keep} must be at least 1")
+            raise UsageError(f"keep={keep} must be at least 1")
         self.directory = directory
         self.keep = keep
 
@@ -89,7 +89,7 @@ class CheckpointStore:
         """Assigns the newest checkpoint to ``variables``; returns its snapshot, or ``None``.
 
         Raises:
-            ConfigError: the checkpoint does not fit the state (different variables).
+            UsageError: the checkpoint does not fit the state (different variables).
         """
         path = self.latest()
         if path is None:
@@ -99,7 +99,7 @@ class CheckpointStore:
         variables = list(variables)
         shapes = [tuple(v.shape) for v in variables]
         if shapes != meta["shapes"]:
-            raise ConfigError(
+            raise UsageError(
                 f"checkpoint {path} holds {len(meta['shapes'])} variables of shapes that differ from this "
                 f"state's {len(shapes)}: it belongs to another model"
             )

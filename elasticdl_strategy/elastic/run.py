@@ -12,7 +12,7 @@ import time
 from typing import Callable, Iterator, List, NoReturn, Optional, TypeVar
 
 from elasticdl_strategy import runtime
-from elasticdl_strategy.elastic.state import State, WorkerLeft
+from elasticdl_strategy.elastic.state import State
 from elasticdl_strategy.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -21,6 +21,7 @@ from elasticdl_strategy.errors import (
     JobFinished,
     MembershipChangedInterrupt,
     PeerFailureError,
+    WorkerLeft,
 )
 from elasticdl_strategy.runtime.worker import ElasticLoop
 

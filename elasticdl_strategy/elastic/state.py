@@ -28,16 +28,13 @@ from elasticdl_strategy.elastic.snapshot import Snapshot
 from elasticdl_strategy.errors import (
     CollectiveMismatchError,
     CommitAbortedError,
-    ConfigError,
     MembershipChangedInterrupt,
+    UsageError,
+    WorkerLeft,
 )
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerLeft(Exception):
-    """Internal: this worker's graceful leave was recorded; ``elastic.run`` ends the process."""
 
 
 class State:
@@ -77,10 +74,10 @@ class State:
         **values: Any,
     ):
         if checkpoint_every < 1:
-            raise ConfigError(f"checkpoint_every={checkpoint_every} must be at least 1")
+            raise UsageError(f"checkpoint_every={checkpoint_every} must be at least 1")
         reserved = {"commit_id", "records", "variables"} & set(values)
         if reserved:
-            raise ConfigError(f"state value names {sorted(reserved)} are reserved")
+            raise UsageError(f"state value names {sorted(reserved)} are reserved")
         object.__setattr__(self, "_values", dict(values))
         self._variables = list(variables)
         self.records = records

@@ -40,7 +40,7 @@ import numpy as np
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import Request
 from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
-from elasticdl_strategy.errors import ElasticDLError, JobFinished
+from elasticdl_strategy.errors import JobFinished, UsageError
 from elasticdl_strategy.logs import configure as configure_logging
 from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
 
@@ -162,7 +162,7 @@ def is_initialized() -> bool:
 def _current() -> Worker:
     worker = _worker
     if worker is None:
-        raise ElasticDLError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+        raise UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
     return worker
 
 

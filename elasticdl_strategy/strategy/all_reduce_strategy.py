@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import runtime
-from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
+from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError, UsageError
 from elasticdl_strategy.strategy import bridge, checkpoints, creation_broadcast, devices, input_sharding, keras_compat
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
@@ -272,7 +272,7 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
 
     def _create_variable(self, next_creator, **kwargs):
         if not tf.executing_eagerly() and not tf.inside_function():
-            raise ConfigError(
+            raise UsageError(
                 "AllReduceStrategy does not create variables in TF 1.x graph mode (tf.compat.v1 graphs and "
                 "Sessions): create them eagerly (TF 2's default) or in a tf.function, under strategy.scope()"
             )
@@ -340,20 +340,20 @@ class _AllReduceExtended(distribute_lib.StrategyExtendedV1):
 
     def _experimental_make_numpy_dataset(self, numpy_input, session):
         if session is not None or not tf.executing_eagerly():
-            raise ConfigError(
+            raise UsageError(
                 "experimental_make_numpy_dataset with a Session (TF 1.x graph mode) is not supported by "
                 "AllReduceStrategy: call it eagerly, or use tf.data.Dataset.from_tensor_slices"
             )
         return tf.data.Dataset.from_tensor_slices(numpy_input)
 
     def _make_dataset_iterator(self, dataset):
-        raise ConfigError(
+        raise UsageError(
             "make_dataset_iterator is TF 1.x's graph-mode API, not supported by AllReduceStrategy: "
             "iterate iter(strategy.experimental_distribute_dataset(dataset)) instead"
         )
 
     def _make_input_fn_iterator(self, input_fn, replication_mode=None):
-        raise ConfigError(
+        raise UsageError(
             "make_input_fn_iterator is TF 1.x's graph-mode API, not supported by AllReduceStrategy: "
             "use iter(strategy.distribute_datasets_from_function(dataset_fn)); dataset_fn gets the same "
             "tf.distribute.InputContext"

@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import runtime
-from elasticdl_strategy.errors import CommunicationError, ConfigError
+from elasticdl_strategy.errors import CommunicationError, UsageError
 from elasticdl_strategy.strategy import ordering
 from elasticdl_strategy.strategy.tf_compat import control_flow_util, device_util, ops
 
@@ -369,7 +369,7 @@ def _briefly(function):
 
 def _check_not_xla() -> None:
     if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
-        raise ConfigError(
+        raise UsageError(
             "AllReduceStrategy cannot reduce inside an XLA-compiled function: the ring runs in Python, "
             "which XLA cannot call. Compile without XLA (model.compile(jit_compile=False), "
             "tf.function(jit_compile=False))."

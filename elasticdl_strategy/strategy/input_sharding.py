@@ -49,7 +49,7 @@ from typing import Any, Iterator, Optional
 
 import tensorflow as tf
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 from elasticdl_strategy.strategy.rows_before_maps import rows_before_maps
 from elasticdl_strategy.strategy.tf_compat import dataset_function_graphs, dataset_inputs, reader_file_names
 
@@ -113,7 +113,7 @@ def plan(dataset: tf.data.Dataset, size: int) -> Plan:
     """Decides how each of ``size`` workers reads ``dataset`` (see the module docstring).
 
     Raises:
-        ConfigError: the policy is FILE but the dataset does not read at least ``size`` files.
+        UsageError: the policy is FILE but the dataset does not read at least ``size`` files.
 
     >>> rows = tf.data.Dataset.range(10).batch(4)
     >>> plan(rows, size=2)
@@ -133,7 +133,7 @@ def plan(dataset: tf.data.Dataset, size: int) -> Plan:
     if policy == Policy.FILE:
         if files is None or files < size:
             found = "no file reader" if files is None else f"{files} files"
-            raise ConfigError(
+            raise UsageError(
                 f"auto_shard_policy FILE needs a dataset that reads at least {size} files (one per worker) "
                 f"but found {found}: set it to DATA (every worker reads everything and keeps its rows) or AUTO"
             )

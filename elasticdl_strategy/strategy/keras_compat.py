@@ -201,7 +201,7 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
     import tensorflow as tf
 
     from elasticdl_strategy import runtime
-    from elasticdl_strategy.errors import ConfigError
+    from elasticdl_strategy.errors import UsageError
 
     @functools.wraps(reduce_gradients)
     def wrapper(optimizer, grads_and_vars):
@@ -209,13 +209,13 @@ def _checked_gradient_reduction(reduce_gradients, strategy_class: type):
             return list(grads_and_vars)
         if runtime.is_initialized() and runtime.size() > 1:
             if not isinstance(optimizer._distribution_strategy, strategy_class):
-                raise ConfigError(
+                raise UsageError(
                     f"the optimizer {optimizer.name} was created outside AllReduceStrategy.scope(): its gradients "
                     "would not be reduced across the workers. Create the model and optimizer (and compile) "
                     "under strategy.scope()"
                 )
             if not isinstance(tf.distribute.get_strategy(), strategy_class) or not tf.distribute.get_replica_context():
-                raise ConfigError(
+                raise UsageError(
                     "apply_gradients ran outside strategy.run (or the model was built outside "
                     "AllReduceStrategy.scope()): gradients would not be reduced across the workers. "
                     "Call it inside strategy.run(step_fn, ...), and build the model under strategy.scope()"

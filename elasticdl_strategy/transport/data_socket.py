@@ -31,7 +31,7 @@ import time
 import typing
 from typing import Dict, Optional
 
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import ConfigError, DataSocketClosed
 from elasticdl_strategy.transport.refusals import RefusalLog, normalize_host
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,6 @@ MAX_PENDING_CONNECTIONS = 64
 MAX_PENDING_PER_SOURCE = 16
 # How often the acceptor closes connections past their deadline for presenting a ticket.
 REAP_INTERVAL_S = 0.25
-
-
-class DataSocketClosed(Exception):
-    """The connection ended (EOF or reset) or was shut down."""
 
 
 def _tune(sock: socket.socket, keepalive_s: float) -> None:

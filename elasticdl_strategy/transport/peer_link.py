@@ -27,10 +27,10 @@ from typing import Callable, Deque, Iterator, Optional, Protocol
 import grpc
 import numpy as np
 
-from elasticdl_strategy.errors import CommunicatorClosedError, PeerFailureError
+from elasticdl_strategy.errors import CommunicationError, CommunicatorClosedError, DataSocketClosed, PeerFailureError
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.auth import call_metadata
-from elasticdl_strategy.transport.data_socket import DataSocketClosed, DataSocketListener, FrameSocket, connect
+from elasticdl_strategy.transport.data_socket import DataSocketListener, FrameSocket, connect
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.refusals import grpc_peer_host
@@ -697,8 +697,11 @@ class PeerService:
         return offset + shared.nbytes
 
 
-class _IncompleteMessage(Exception):
-    pass
+class _IncompleteMessage(CommunicationError):
+    """The stream ended inside a message, or without a goodbye: the sender died."""
+
+    def __init__(self, message: str = "the stream ended in the middle of a message"):
+        super().__init__(message)
 
 
 def send_abort(channel: grpc.Channel, token: str, request: peer_pb2.AbortRequest, timeout: float) -> futures.Future:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticdl_strategy.collective.dtypes import SUPPORTED_DTYPES
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 from tests.cluster import ThreadCluster, transport_options
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
 
@@ -182,6 +182,6 @@ def test_allreduce_out_and_in_place(clusters):
 def test_bad_arguments_raise_before_communicating(clusters, call, message):
     comm = clusters[2].communicators[0]
     sent = comm.p2p.messages_sent
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UsageError, match=message):
         call(comm)
     assert comm.p2p.messages_sent == sent

@@ -25,7 +25,7 @@ import pytest
 from elasticdl_strategy import runtime
 from elasticdl_strategy.collective import compression, ring
 from elasticdl_strategy.collective.dtypes import REDUCE_UFUNCS, dtype_name
-from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError
+from elasticdl_strategy.errors import CollectiveMismatchError, UsageError
 from elasticdl_strategy.transport.protos import peer_pb2
 from tests.cluster import ThreadCluster
 from tests.collective.reference import assert_identical
@@ -251,9 +251,9 @@ def test_ranks_with_different_compression_all_raise_mismatch(n, mine, odd):
         (np.ones(4, np.float64), "prod", "bf16", "'prod'"),
     ],
 )
-def test_bad_arguments_raise_config_error_before_communicating(clusters, array, op, value, named):
+def test_bad_arguments_raise_usage_error_before_communicating(clusters, array, op, value, named):
     cluster = clusters[2]
-    with pytest.raises(ConfigError) as raised:
+    with pytest.raises(UsageError) as raised:
         cluster.communicators[0].allreduce(array, op=op, compression=value)  # rank 0 alone: no peer takes part
     message = str(raised.value)
     assert named in message and "\n" not in message
@@ -263,7 +263,7 @@ def test_bad_arguments_raise_config_error_before_communicating(clusters, array, 
 
 
 def test_single_rank_checks_arguments_too(clusters):
-    with pytest.raises(ConfigError):
+    with pytest.raises(UsageError):
         clusters[1].communicators[0].allreduce(np.ones(3, np.int32), compression="bf16")
 
 

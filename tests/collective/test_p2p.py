@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.collective.p2p import PointToPoint
-from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError, PeerFailureError
+from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.options import TransportOptions
@@ -97,7 +97,7 @@ def test_send_to_self(pair):
 
 
 def test_invalid_peer_is_a_config_error(pair):
-    with pytest.raises(ConfigError, match="ranks are 0..1"):
+    with pytest.raises(UsageError, match="ranks are 0..1"):
         p2p(pair, 0).send(np.ones(1), dst=2)
 
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from elasticdl_strategy.data import ElasticFiles
 from elasticdl_strategy.data.plan import BatchPolicy, rank_share, step_bounds
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 COUNTS = [7, 0, 12, 5, 9]  # an empty file among them: 33 records
 
@@ -125,13 +125,13 @@ def test_the_fingerprint_names_the_files_and_counts(tfrecords):
 
 
 def test_bad_arguments_are_one_line_errors(tfrecords, tmp_path):
-    with pytest.raises(ConfigError, match="non-empty list"):
+    with pytest.raises(UsageError, match="non-empty list"):
         ElasticFiles("one.tfrecord", batch_size=2)
-    with pytest.raises(ConfigError, match="format='parquet'"):
+    with pytest.raises(UsageError, match="format='parquet'"):
         ElasticFiles(tfrecords, batch_size=2, format="parquet")
-    with pytest.raises(ConfigError, match="cannot read .*missing"):
+    with pytest.raises(UsageError, match="cannot read .*missing"):
         ElasticFiles([str(tmp_path / "missing")], batch_size=2)
-    with pytest.raises(ConfigError, match="one non-negative count per file"):
+    with pytest.raises(UsageError, match="one non-negative count per file"):
         ElasticFiles(tfrecords, batch_size=2, record_counts=[1, 2])
-    with pytest.raises(ConfigError, match="hold no records"):
+    with pytest.raises(UsageError, match="hold no records"):
         ElasticFiles([tfrecords[1]], batch_size=2)

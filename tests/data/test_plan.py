@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from elasticdl_strategy.coordinator.shards import DatasetSpec
 from elasticdl_strategy.data.plan import BatchPolicy, EpochStream, next_cursor, rank_share, step_bounds
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 POLICIES = st.one_of(
     st.builds(BatchPolicy, per_worker=st.integers(1, 9)), st.builds(BatchPolicy, global_batch=st.integers(1, 40))
@@ -83,7 +83,7 @@ def test_a_fixed_global_batch_takes_the_same_steps_whatever_the_workers(num_reco
     ],
 )
 def test_a_batch_policy_is_one_positive_size(kwargs, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UsageError, match=message):
         BatchPolicy(**kwargs)
 
 
@@ -109,5 +109,5 @@ def test_shards_are_index_ranges_reshuffled_per_epoch_with_the_seed():
     [({"num_records": 0, "shard_size": 1}, "num_records=0"), ({"num_records": 5, "shard_size": 0}, "shard_size=0")],
 )
 def test_bad_dataset_specs_name_the_value(kwargs, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UsageError, match=message):
         DatasetSpec(**kwargs)

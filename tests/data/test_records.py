@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.data import ElasticRecords, Position
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("single_worker")
 
@@ -34,5 +34,5 @@ def test_a_dataset_resumes_from_the_position():
 
 
 def test_bad_batch_size_is_refused():
-    with pytest.raises(ConfigError, match="batch_size=0"):
+    with pytest.raises(UsageError, match="batch_size=0"):
         ElasticRecords(num_records=10, batch_size=0)

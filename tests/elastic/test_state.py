@@ -9,8 +9,7 @@ import tensorflow as tf
 from elasticdl_strategy import elastic, runtime
 from elasticdl_strategy.data import ElasticRecords, Position
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
-from elasticdl_strategy.elastic.state import WorkerLeft
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError, WorkerLeft
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 pytestmark = pytest.mark.usefixtures("single_worker")
@@ -34,9 +33,9 @@ def test_restore_rolls_variables_values_and_position_back_to_a_commit():
 
 
 def test_reserved_value_names_and_bad_intervals_are_refused():
-    with pytest.raises(ConfigError, match="reserved"):
+    with pytest.raises(UsageError, match="reserved"):
         elastic.State(commit_id=3)
-    with pytest.raises(ConfigError, match="checkpoint_every=0"):
+    with pytest.raises(UsageError, match="checkpoint_every=0"):
         elastic.State(checkpoint_every=0)
 
 
@@ -91,7 +90,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     state = elastic.State(variables=[tf.Variable([1.0, 2.0])], checkpoint_dir=str(tmp_path), checkpoint_every=1)
     state.commit()
     other = elastic.State(variables=[tf.Variable([1.0, 2.0, 3.0])], checkpoint_dir=str(tmp_path))
-    with pytest.raises(ConfigError, match="belongs to another model"):
+    with pytest.raises(UsageError, match="belongs to another model"):
         other.load_checkpoint()
 
 

@@ -46,10 +46,10 @@ def test_tf1_entry_points_work_or_name_their_tf2_replacement(reports):
         r = report["rank"]
         assert report["numpy_dataset"] == ([[0, 1, 2], [5, 6, 7]] if r == 0 else [[3, 4], [8, 9]])
         tf1 = report["tf1"]
-        assert tf1["make_dataset_iterator"][0] == "ConfigError"
+        assert tf1["make_dataset_iterator"][0] == "UsageError"
         assert "experimental_distribute_dataset" in tf1["make_dataset_iterator"][1]
         assert "distribute_datasets_from_function" in tf1["make_input_fn_iterator"][1]
-        assert tf1["graph_variable"][0] == "ConfigError" and "tf.function" in tf1["graph_variable"][1]
+        assert tf1["graph_variable"][0] == "UsageError" and "tf.function" in tf1["graph_variable"][1]
 
 
 def test_inputs_are_iterated_without_multi_device_iterators(reports):
@@ -116,5 +116,5 @@ def test_training_outside_the_strategy_is_an_error_not_silent_local_training(tmp
             ("apply_gradients_outside_run", "apply_gradients ran outside strategy.run"),
             ("optimizer_outside_scope", "created outside AllReduceStrategy.scope()"),
         ]:
-            assert outcomes[case] is not None and outcomes[case].startswith("ConfigError"), (case, outcomes[case])
+            assert outcomes[case] is not None and outcomes[case].startswith("UsageError"), (case, outcomes[case])
             assert says in outcomes[case], (case, outcomes[case])

@@ -107,7 +107,7 @@ class FakeCommunicator:
 @pytest.fixture
 def fake(monkeypatch):
     communicator = FakeCommunicator()
-    monkeypatch.setattr(bridge.collective, "communicator", lambda: communicator)
+    monkeypatch.setattr(bridge.runtime, "communicator", lambda: communicator)
     return communicator
 
 
@@ -169,7 +169,7 @@ def test_a_result_tensorflow_holds_keeps_its_buffer_leased_and_a_failed_call_giv
     with pytest.raises(RuntimeError):
         bridge.allreduce_arrays(arrays, "sum")
     monkeypatch.undo()
-    monkeypatch.setattr(bridge.collective, "communicator", lambda: fake)
+    monkeypatch.setattr(bridge.runtime, "communicator", lambda: fake)
     for _ in range(3):
         bridge.allreduce_arrays(arrays, "sum")
     assert bridge.counters()["staging_allocations"] == allocations

@@ -7,7 +7,7 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 
 from elasticdl_strategy import runtime
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 from elasticdl_strategy.strategy import input_sharding, keras_compat
 from elasticdl_strategy.strategy.input_sharding import Sharding, count_files, plan, split_global_batches
 
@@ -58,9 +58,9 @@ def test_the_policy_decides_as_the_module_docstring_says(files):
     assert plan(with_policy(rows, Policy.OFF), 2).policy == Policy.OFF
     assert plan(with_policy(rows, Policy.HINT), 2).policy == Policy.HINT
     assert plan(records, 1).sharding is Sharding.AS_IS
-    with pytest.raises(ConfigError, match="FILE needs a dataset that reads at least 5 files .* found 4 files"):
+    with pytest.raises(UsageError, match="FILE needs a dataset that reads at least 5 files .* found 4 files"):
         plan(with_policy(records, Policy.FILE), 5)
-    with pytest.raises(ConfigError, match="found no file reader"):
+    with pytest.raises(UsageError, match="found no file reader"):
         plan(with_policy(rows, Policy.FILE), 2)
 
 

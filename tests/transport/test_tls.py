@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.data_socket import DataSocketClosed, DataSocketListener, connect
+from elasticdl_strategy.errors import ConfigError, DataSocketClosed
+from elasticdl_strategy.transport.data_socket import DataSocketListener, connect
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
 from tests.cluster import ThreadCluster
 

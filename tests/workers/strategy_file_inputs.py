@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import AllReduceStrategy, runtime
-from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.errors import UsageError
 from tests.workers.report import write_report
 
 BATCH = 8
@@ -80,7 +80,7 @@ def train(files, kind: str, policy, records: int) -> dict:
 
     try:
         model.fit(dataset, epochs=EPOCHS, callbacks=[Record()], verbose=0)
-    except ConfigError as e:
+    except UsageError as e:
         return {"error": str(e)}
     return {
         "counts": per_epoch_counts,

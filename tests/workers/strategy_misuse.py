@@ -1,4 +1,4 @@
-"""Worker of tests/strategy/test_api.py: ways to train outside the strategy, each must raise ConfigError."""
+"""Worker of tests/strategy/test_api.py: ways to train outside the strategy, each must raise UsageError."""
 
 import sys
 

@@ -6,16 +6,12 @@ import json
 import logging
 from typing import Callable, Dict, List, Optional
 
-from elasticdl_strategy.errors import ConfigError, ElasticDLError
+from elasticdl_strategy.errors import ConfigError, KubernetesError
 from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
 from elasticdl_strategy.transport.auth import new_token
 
 logger = logging.getLogger(__name__)
-
-
-class KubernetesError(ElasticDLError):
-    """The Kubernetes API refused or failed a request (the message says which and why)."""
 
 
 def _explain(error, verb: str, what: str, namespace: str) -> KubernetesError:

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.launcher.k8s.job_client import JobClient, KubernetesError
+from elasticdl_strategy.errors import ConfigError, KubernetesError
+from elasticdl_strategy.launcher.k8s.job_client import JobClient
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
 from tests.launch import REPO_ROOT, worker_script
 from tests.launcher.k8s.emulator import KubeEmulator
