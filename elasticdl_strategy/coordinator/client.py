@@ -40,7 +40,7 @@ class CoordinatorClient:
         client = CoordinatorClient("127.0.0.1:50051", "worker-0", token, TransportOptions())
         client.register("127.0.0.1:40001", timeout=60)
         membership = client.wait_for_membership(after_version=0, timeout=60)
-        client.start_heartbeats(on_version=lambda v: ...)
+        client.start_heartbeats(lambda: membership.version, on_response=lambda response: ...)
     """
 
     def __init__(self, address: str, worker_id: str, token: str, options: TransportOptions):
