@@ -71,12 +71,11 @@ def _run(argv: List[str]) -> int:
             if not (args.tls_cert and args.tls_key):
                 raise ConfigError("--tls-cert and --tls-key go together")
             tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-        max_workers = args.max_workers if args.max_workers is not None else args.workers
         config = LaunchConfig(
             command=command,
             workers=args.workers,
-            min_workers=args.min_workers if args.min_workers is not None else min(args.workers, max_workers),
-            max_workers=max_workers,
+            min_workers=args.min_workers,
+            max_workers=args.max_workers,
             max_restarts=args.max_restarts,
             port=args.port,
             host=args.host,

@@ -40,6 +40,7 @@ import grpc
 from elasticdl_strategy.coordinator.changes import Changes
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
 from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
+from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.errors import ConfigError, ElasticDLError, UsageError
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
@@ -63,33 +64,22 @@ class CoordinatorParams:
     """How the coordinator forms and keeps the membership.
 
     Args:
-        min_workers: fewest workers to form a membership with.
-        max_workers: most workers in a membership; later registrants wait as standbys.
-        target_workers: the first membership is formed as soon as this many have
-            registered (or, with at least ``min_workers``, ``last_call_s`` after
-            the ``min_workers``-th registered).
+        counts: fewest workers to form a membership with (``min_workers``), most
+            in one (``max_workers``; later registrants wait as standbys); the first
+            membership is formed as soon as ``counts.target`` have registered (or,
+            with at least ``min_workers``, ``last_call_s`` after the
+            ``min_workers``-th registered).
         heartbeat_interval_s: how often workers heartbeat.
         heartbeat_timeout_s: silence after which a worker is declared dead.
-        last_call_s: see ``target_workers``.
+        last_call_s: see ``counts``.
     """
 
-    min_workers: int = 1
-    max_workers: int = 1
-    target_workers: int = 1
+    counts: WorkerCounts = WorkerCounts(1, 1, 1)
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     last_call_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.min_workers < 1:
-            raise ConfigError(f"min_workers={self.min_workers} must be at least 1")
-        if self.max_workers < self.min_workers:
-            raise ConfigError(f"max_workers={self.max_workers} is below min_workers={self.min_workers}")
-        if not self.min_workers <= self.target_workers <= self.max_workers:
-            raise ConfigError(
-                f"workers={self.target_workers} must be between min_workers={self.min_workers} "
-                f"and max_workers={self.max_workers}"
-            )
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ConfigError(
                 f"heartbeat_interval_s={self.heartbeat_interval_s} must be positive and below "
@@ -134,7 +124,7 @@ class Coordinator:
     Example:
 
     >>> from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
-    >>> c = Coordinator(CoordinatorParams(min_workers=2, max_workers=2, target_workers=2))
+    >>> c = Coordinator(CoordinatorParams(WorkerCounts.of(2)))
     >>> for worker_id in ("a", "b"):
     ...     _ = c.register(pb.RegisterRequest(worker_id=worker_id, address=f"h:{worker_id}"))
     >>> c.membership.version, [m.worker_id for m in c.membership.members]
@@ -182,7 +172,7 @@ class Coordinator:
         return sorted((w for w in self._workers.values() if w.alive), key=lambda w: w.join_order)
 
     def _ready(self, membership: Membership) -> bool:
-        return membership.size >= self.params.min_workers
+        return membership.size >= self.params.counts.min_workers
 
     def _publish_if_changed(self, reason: str, admit: bool = True, force: bool = False) -> None:
         """Publishes a new version when the member set should change (call with the lock held).
@@ -197,30 +187,32 @@ class Coordinator:
         live = self._live()
         now = self._clock()
         if self._membership.version == 0:
-            if len(live) < self.params.min_workers:
+            if len(live) < self.params.counts.min_workers:
                 self._min_reached_at = None
                 return
             if self._min_reached_at is None:
                 self._min_reached_at = now
-            enough = len(live) >= self.params.target_workers
+            enough = len(live) >= self.params.counts.target
             last_call_over = now - self._min_reached_at >= self.params.last_call_s
             if not (enough or last_call_over):
                 return
             reason = "formed" if enough else f"formed with {len(live)} workers after the last call"
-            chosen = live[: self.params.max_workers]
+            chosen = live[: self.params.counts.max_workers]
         else:
             alive = {w.worker_id for w in live}
             chosen = [self._workers[m.worker_id] for m in self._membership.members if m.worker_id in alive]
             if admit or not self._ready(self._membership):
                 taken = {w.worker_id for w in chosen}
-                chosen += [w for w in live if w.worker_id not in taken][: self.params.max_workers - len(chosen)]
+                chosen += [w for w in live if w.worker_id not in taken][: self.params.counts.max_workers - len(chosen)]
         members = tuple(Member(w.worker_id, w.address) for w in chosen)
         if members == self._membership.members and not force:
             return
         old = self._membership
         self._membership = Membership(old.version + 1, members, reason)
         self._barrier = None
-        waiting = "" if self._ready(self._membership) else f"; below --min-workers={self.params.min_workers}, waiting"
+        waiting = (
+            "" if self._ready(self._membership) else f"; below --min-workers={self.params.counts.min_workers}, waiting"
+        )
         logger.info(
             "membership version %d -> %d (%s): %s -> %s%s",
             old.version,
@@ -396,8 +388,8 @@ class Coordinator:
             return coordinator_pb2.GetMembershipResponse(
                 membership=self._membership.to_proto(),
                 registered=len(self._live()),
-                min_workers=self.params.min_workers,
-                max_workers=self.params.max_workers,
+                min_workers=self.params.counts.min_workers,
+                max_workers=self.params.counts.max_workers,
                 last_commit=self._last_commit,
                 job_finished=self._finished,
             )

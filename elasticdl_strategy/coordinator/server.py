@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from elasticdl_strategy.coordinator.coordinator import Coordinator, CoordinatorParams
 from elasticdl_strategy.coordinator.service import CoordinatorService, health_probe
+from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.transport.auth import validate_token
 from elasticdl_strategy.transport.endpoints import start_aio_server
 from elasticdl_strategy.transport.health import HealthService
@@ -36,7 +37,7 @@ class CoordinatorServer:
 
     Example::
 
-        server = CoordinatorServer(CoordinatorParams(2, 2, 2), "127.0.0.1:0", token, TransportOptions())
+        server = CoordinatorServer(CoordinatorParams(WorkerCounts.of(2)), "127.0.0.1:0", token, TransportOptions())
         address = f"127.0.0.1:{server.port}"
         ...
         server.stop()
@@ -68,7 +69,7 @@ class CoordinatorServer:
         def register(server):
             coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self._service, server)
 
-        calls = CALLS_PER_WORKER * self.coordinator.params.max_workers + CALLS_BESIDE_WORKERS
+        calls = CALLS_PER_WORKER * self.coordinator.params.counts.max_workers + CALLS_BESIDE_WORKERS
         return await start_aio_server([self.health.generic_handler(aio=True)], bind, token, options, calls, register)
 
     async def _reap(self) -> None:
@@ -107,9 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def params_from_args(args: argparse.Namespace) -> CoordinatorParams:
     return CoordinatorParams(
-        min_workers=args.min_workers if args.min_workers is not None else args.workers,
-        max_workers=args.max_workers if args.max_workers is not None else args.workers,
-        target_workers=args.workers,
+        WorkerCounts.of(args.workers, args.min_workers, args.max_workers),
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         last_call_s=args.last_call,

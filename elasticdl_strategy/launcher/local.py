@@ -36,6 +36,7 @@ import time
 from typing import Deque, Dict, List, Optional, Sequence, TextIO
 
 from elasticdl_strategy import environment
+from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.launcher.gpus import GpuPool
 from elasticdl_strategy.transport.auth import new_token
@@ -56,8 +57,8 @@ class LaunchConfig:
 
     command: Sequence[str]
     workers: int
-    min_workers: int
-    max_workers: int
+    min_workers: Optional[int] = None  # default: the workers started, up to max_workers
+    max_workers: Optional[int] = None  # default: workers
     port: int = 0
     host: str = "127.0.0.1"
     timeout_s: Optional[float] = None
@@ -76,14 +77,7 @@ class LaunchConfig:
             raise ConfigError("missing command: use `elasticdl-strategy run --workers N -- CMD ARGS...`")
         if shutil.which(self.command[0]) is None:
             raise ConfigError(f"command not found: {self.command[0]!r}")
-        if self.workers < 1:
-            raise ConfigError(f"--workers={self.workers} must be at least 1")
-        if not 1 <= self.min_workers <= self.workers:
-            raise ConfigError(f"--min-workers={self.min_workers} must be between 1 and --workers={self.workers}")
-        if self.max_workers < self.min_workers:
-            raise ConfigError(f"--max-workers={self.max_workers} must be at least --min-workers={self.min_workers}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts={self.max_restarts} must not be negative")
+        self.counts  # validates the worker counts
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port={self.port} is not a port number")
         for name in ("rendezvous_timeout_s", "heartbeat_timeout_s"):
@@ -106,13 +100,13 @@ class LaunchConfig:
         self.gpu_pool.check(self.workers, self.gpus_per_worker)
 
     @property
+    def counts(self) -> WorkerCounts:
+        return WorkerCounts.of(self.workers, self.min_workers, self.max_workers, self.max_restarts)
+
+    @property
     def elastic(self) -> bool:
         """Whether the job survives the loss of a worker."""
-        return (
-            self.min_workers < min(self.workers, self.max_workers)
-            or self.max_restarts > 0
-            or (self.workers > self.max_workers)
-        )
+        return self.counts.elastic
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -194,7 +188,7 @@ class LocalLauncher:
 
     Example::
 
-        config = LaunchConfig(["python", "train.py"], workers=2, min_workers=2, max_workers=2)
+        config = LaunchConfig(["python", "train.py"], workers=2)
         sys.exit(LocalLauncher(config).run())
     """
 
@@ -233,8 +227,8 @@ class LocalLauncher:
             argv = [
                 sys.executable, "-m", "elasticdl_strategy", "coordinator",
                 "--bind", c.host, "--port", str(c.port if port is None else port), "--port-file", port_file,
-                "--workers", str(min(c.workers, c.max_workers)), "--min-workers", str(c.min_workers),
-                "--max-workers", str(c.max_workers), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
+                "--workers", str(c.counts.target), "--min-workers", str(c.counts.min_workers),
+                "--max-workers", str(c.counts.max_workers), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
                 "--heartbeat-interval", str(min(1.0, c.heartbeat_timeout_s / 4)),
             ]  # fmt: skip
             self._coordinator = _Process("coordinator", argv, self._base_env(), self._out, self._err, self._lock)
@@ -279,7 +273,7 @@ class LocalLauncher:
 
     def _thread_env(self) -> Dict[str, str]:
         """Per-worker thread counts (cores / training workers), unless the user set them."""
-        threads = str(max(1, (os.cpu_count() or 1) // min(self.config.workers, self.config.max_workers)))
+        threads = str(max(1, (os.cpu_count() or 1) // self.config.counts.target))
         return {"TF_NUM_INTRAOP_THREADS": threads, "OMP_NUM_THREADS": threads}
 
     def _forward(self, sig: int, _frame=None) -> None:
@@ -340,12 +334,12 @@ class LocalLauncher:
             self._handled.add(id(failed))
             if self._stop_signal is not None:
                 continue
-            if self._restarts < self.config.max_restarts:
+            if self._restarts < self.config.counts.max_restarts:
                 self._restarts += 1
                 replacement = self._start_worker(failed.slot)
                 self._say(
                     f"{failed.name} {self._describe_exit(failed)}; started {replacement.name} in its place "
-                    f"(restart {self._restarts} of {self.config.max_restarts})"
+                    f"(restart {self._restarts} of {self.config.counts.max_restarts})"
                 )
             else:
                 self._say(f"{failed.name} {self._describe_exit(failed)}; the other workers carry on without it")

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams
+from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams, WorkerCounts
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.coordinator.service import CoordinatorService, health_probe
@@ -63,7 +63,7 @@ def members(coordinator):
 
 
 def test_membership_forms_at_target_with_ranks_in_join_order():
-    c = Direct(CoordinatorParams(min_workers=2, max_workers=3, target_workers=3), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(3, min_workers=2)), clock=FakeClock())
     for wid in ["b", "a"]:
         register(c, wid)
     assert c.membership.version == 0  # 2 of 3, last call not over
@@ -75,7 +75,7 @@ def test_membership_forms_at_target_with_ranks_in_join_order():
 
 def test_last_call_forms_with_min_workers():
     clock = FakeClock()
-    c = Direct(CoordinatorParams(min_workers=2, max_workers=4, target_workers=4, last_call_s=5), clock=clock)
+    c = Direct(CoordinatorParams(WorkerCounts.of(4, min_workers=2), last_call_s=5), clock=clock)
     register(c, "a")
     register(c, "b")
     clock.now += 4
@@ -88,7 +88,9 @@ def test_last_call_forms_with_min_workers():
 
 def test_missed_heartbeats_publish_a_new_version_without_the_dead_worker():
     clock = FakeClock()
-    c = Direct(CoordinatorParams(1, 3, 3, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    c = Direct(
+        CoordinatorParams(WorkerCounts.of(3, min_workers=1), heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock
+    )
     for wid in "abc":
         register(c, wid)
     assert c.membership.version == 1
@@ -114,7 +116,7 @@ def commit(coordinator, worker_id, commit_id, version=None, leaving=False, epoch
 
 
 def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():
-    c = Direct(CoordinatorParams(1, 3, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1, max_workers=3)), clock=FakeClock())
     register(c, "a")
     register(c, "b")
     c.Leave(pb.LeaveRequest(worker_id="a", reason="done"))
@@ -127,7 +129,7 @@ def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():
 
 
 def test_extra_workers_beyond_max_wait_as_standbys():
-    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
     assert members(c) == ["a", "b"]
@@ -136,7 +138,7 @@ def test_extra_workers_beyond_max_wait_as_standbys():
 
 
 def test_same_id_from_another_address_is_refused_while_the_first_process_answers(monkeypatch):
-    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     register(c, "a", "h:1")
     register(c, "a", "h:1")  # a retry is fine
     monkeypatch.setattr(c, "probe", lambda address: True)
@@ -146,7 +148,7 @@ def test_same_id_from_another_address_is_refused_while_the_first_process_answers
 
 
 def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new_worker():
-    c = Direct(CoordinatorParams(2, 3, 3), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(3, min_workers=2)), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
     assert c.membership.version == 1 and members(c) == ["a", "b", "c"]
@@ -166,7 +168,7 @@ def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new
 
 
 def test_a_new_process_elsewhere_under_a_live_workers_id_is_refused_while_the_old_one_answers(monkeypatch):
-    c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(1)), clock=FakeClock())
     register(c, "a", "h:1")
     monkeypatch.setattr(c, "probe", lambda address: address == "h:1")  # the old process answers health checks
     with pytest.raises(grpc.RpcError, match="already used by a live process at h:1"):
@@ -180,10 +182,8 @@ def test_a_new_process_elsewhere_under_a_live_workers_id_is_refused_while_the_ol
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"min_workers": 0}, "min_workers=0"),
-        ({"min_workers": 3, "max_workers": 2, "target_workers": 2}, "max_workers=2"),
-        ({"min_workers": 1, "max_workers": 2, "target_workers": 3}, "workers=3"),
         ({"heartbeat_interval_s": 5, "heartbeat_timeout_s": 2}, "heartbeat_interval_s=5"),
+        ({"last_call_s": -1}, "last_call_s=-1"),
     ],
 )
 def test_invalid_params_name_the_value(kwargs, message):
@@ -195,7 +195,7 @@ def test_invalid_params_name_the_value(kwargs, message):
 def served():
     token = new_token()
     server = CoordinatorServer(
-        CoordinatorParams(2, 2, 2, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5),
+        CoordinatorParams(WorkerCounts.of(2), heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5),
         "127.0.0.1:0",
         token,
         TransportOptions(),
@@ -267,7 +267,7 @@ def in_thread(fn, *args, **kwargs):
 
 
 def test_a_commit_is_recorded_only_when_every_member_sent_it():
-    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
     register(c, "a")
     register(c, "b")
     thread, result = in_thread(commit, c, "a", 1)
@@ -280,7 +280,7 @@ def test_a_commit_is_recorded_only_when_every_member_sent_it():
 
 
 def test_commits_at_different_data_positions_are_refused_on_every_member():
-    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
     register(c, "a")
     register(c, "b")
     thread, result = in_thread(lambda: pytest.raises(grpc.RpcError, commit, c, "a", 1, epoch=0))
@@ -293,7 +293,9 @@ def test_commits_at_different_data_positions_are_refused_on_every_member():
 
 def test_a_member_dying_during_a_commit_aborts_it_for_the_others():
     clock = FakeClock()
-    c = Direct(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    c = Direct(
+        CoordinatorParams(WorkerCounts.of(2, min_workers=1), heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock
+    )
     register(c, "a")
     register(c, "b")
     thread, result = in_thread(commit, c, "a", 1)
@@ -306,7 +308,7 @@ def test_a_member_dying_during_a_commit_aborts_it_for_the_others():
 
 
 def test_a_worker_leaving_at_a_commit_is_removed_when_it_is_recorded():
-    c = Direct(CoordinatorParams(1, 3, 3), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(3, min_workers=1)), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
     threads = [in_thread(commit, c, wid, 4, leaving=wid == "b") for wid in "ac"]
@@ -319,7 +321,7 @@ def test_a_worker_leaving_at_a_commit_is_removed_when_it_is_recorded():
 
 
 def test_a_reported_peer_that_does_not_answer_is_removed():
-    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     with socket_port() as port:
         register(c, "a")
         register(c, "b", f"127.0.0.1:{port}")  # nothing serves there
@@ -331,7 +333,7 @@ def test_a_reported_peer_that_does_not_answer_is_removed():
 
 
 def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declared_dead():
-    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     for wid in "abs":
         register(c, wid)  # s: a standby
     assert members(c) == ["a", "b"]
@@ -346,7 +348,7 @@ def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declare
 
 
 def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
-    c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(1)), clock=FakeClock())
     spec = pb.DatasetSpec(num_records=100, shard_size=10, seed=1, shuffle=True)
     first = c.GetShards(pb.GetShardsRequest(worker_id="a", spec=spec, epoch=0))
     again = c.GetShards(pb.GetShardsRequest(worker_id="b", spec=spec, epoch=0))
@@ -362,7 +364,7 @@ def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
 
 
 def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report():
-    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
     known = pb.Membership(version=7, members=[pb.Member(worker_id=w, address=f"h:{w}") for w in "ab"])
     last = pb.CommitRecord(commit_id=12, membership_version=7, position=pb.DataPosition(epoch=1, cursor=40))
     request = pb.RegisterRequest(worker_id="b", address="h:b", membership=known, last_commit=last)
@@ -381,7 +383,7 @@ def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report
 
 
 def test_a_finished_job_releases_standbys():
-    c = Direct(CoordinatorParams(1, 1, 1), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(1)), clock=FakeClock())
     register(c, "a")
     register(c, "standby")
     c.Leave(pb.LeaveRequest(worker_id="a", reason="finished", finished=True))
@@ -409,7 +411,7 @@ def test_waiting_commits_of_many_workers_hold_no_thread_and_heartbeats_go_on():
     # answered at once meanwhile.
     n = 80
     token = new_token()
-    params = CoordinatorParams(n, n, n, heartbeat_interval_s=1, heartbeat_timeout_s=30)
+    params = CoordinatorParams(WorkerCounts.of(n), heartbeat_interval_s=1, heartbeat_timeout_s=30)
     server = CoordinatorServer(params, "127.0.0.1:0", token, TransportOptions())
     metadata = call_metadata(token)
 
@@ -459,7 +461,9 @@ async def wait_until(condition, timeout=20.0):
 
 def test_a_replaced_process_is_told_to_stop_and_cannot_keep_its_successor_alive():
     clock = FakeClock()
-    c = Direct(CoordinatorParams(1, 2, 2, heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock)
+    c = Direct(
+        CoordinatorParams(WorkerCounts.of(2, min_workers=1), heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock
+    )
     register(c, "a", incarnation="first")
     register(c, "b", incarnation="first")
     register(c, "a", "h:new", incarnation="second")  # the old "a" hung, a new process took its id
@@ -491,7 +495,7 @@ def test_a_client_whose_id_was_taken_by_a_new_process_raises_worker_replaced(ser
 
 
 def test_a_replaced_process_cannot_leave_commit_or_report_for_its_successor():
-    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     register(c, "a", incarnation="first")
     register(c, "b", incarnation="first")
     register(c, "a", incarnation="second")  # restarted in place
@@ -507,7 +511,7 @@ def test_a_replaced_process_cannot_leave_commit_or_report_for_its_successor():
 
 
 def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_its_successors_rank():
-    c = Direct(CoordinatorParams(2, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
     register(c, "a", incarnation="first")
     answer = {}
 
@@ -528,7 +532,7 @@ def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_i
 
 
 def test_after_a_coordinator_restart_an_adopted_member_relaunched_elsewhere_replaces_it(monkeypatch):
-    c = Direct(CoordinatorParams(1, 2, 2), clock=FakeClock())
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     known = pb.Membership(version=4, members=[pb.Member(worker_id=w, address=f"h:{w}") for w in "ab"])
     c.Register(pb.RegisterRequest(worker_id="b", address="h:b", membership=known, incarnation="b1"))
     monkeypatch.setattr(c, "probe", lambda address: False)  # "a" (adopted, incarnation unknown) is gone

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from elasticdl_strategy.coordinator import CoordinatorParams
+from elasticdl_strategy.coordinator import CoordinatorParams, WorkerCounts
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.errors import AuthenticationError, ConfigError
@@ -144,7 +144,9 @@ def test_health_answers_without_a_token(cluster):
 @pytest.mark.parametrize("metadata", BAD_METADATA, ids=["no-token", "wrong-token"])
 def test_coordinator_rejects_calls_without_the_token_and_keeps_its_state(metadata):
     token = new_token()
-    server = CoordinatorServer(CoordinatorParams(1, 2, 1), "127.0.0.1:0", token, TransportOptions())
+    server = CoordinatorServer(
+        CoordinatorParams(WorkerCounts.of(1, max_workers=2)), "127.0.0.1:0", token, TransportOptions()
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)

@@ -5,7 +5,7 @@ import logging
 import grpc
 import pytest
 
-from elasticdl_strategy.coordinator import CoordinatorParams
+from elasticdl_strategy.coordinator import CoordinatorParams, WorkerCounts
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.transport.auth import call_metadata, new_token
 from elasticdl_strategy.transport.options import TransportOptions
@@ -18,7 +18,7 @@ GARBAGE = b"\x08\xff garbage"
 @pytest.fixture
 def servers():
     token = new_token()
-    coordinator = CoordinatorServer(CoordinatorParams(1, 1, 1), "127.0.0.1:0", token, TransportOptions())
+    coordinator = CoordinatorServer(CoordinatorParams(WorkerCounts.of(1)), "127.0.0.1:0", token, TransportOptions())
     worker = WorkerServer("127.0.0.1:0", token, TransportOptions())
     yield token, {"coordinator": coordinator.port, "worker": worker.port}
     coordinator.stop(0)

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from typing import Dict, Optional, Sequence, Tuple
 
+from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.logs import LEVEL_VARIABLE, level_from_env
 
@@ -92,14 +93,7 @@ class K8sJobConfig:
             raise ConfigError(f"--image={self.image!r} is not a valid image reference")
         if not self.command:
             raise ConfigError("missing command: use `elasticdl-strategy k8s submit ... -- CMD ARGS...`")
-        if self.workers < 1:
-            raise ConfigError(f"--workers={self.workers} must be at least 1")
-        if not 1 <= self.min_workers_ <= self.workers:
-            raise ConfigError(f"--min-workers={self.min_workers} must be between 1 and --workers={self.workers}")
-        if self.max_workers_ < self.min_workers_:
-            raise ConfigError(f"--max-workers={self.max_workers} must be at least --min-workers={self.min_workers_}")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts={self.max_restarts} must not be negative")
+        self.counts  # validates the worker counts
         if self.gpu < 0:
             raise ConfigError(f"--gpu={self.gpu} must not be negative")
         if self.gpu > 1:
@@ -121,12 +115,8 @@ class K8sJobConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
 
     @property
-    def min_workers_(self) -> int:
-        return self.workers if self.min_workers is None else self.min_workers
-
-    @property
-    def max_workers_(self) -> int:
-        return self.workers if self.max_workers is None else self.max_workers
+    def counts(self) -> WorkerCounts:
+        return WorkerCounts.of(self.workers, self.min_workers, self.max_workers, self.max_restarts)
 
     # Names of the job's objects.
     @property
@@ -148,8 +138,8 @@ class K8sJobConfig:
         """The flags that recreate this config (passed to the master's command line)."""
         flags = [
             "--name", self.name, "--namespace", self.namespace, "--image", self.image,
-            "--workers", str(self.workers), "--min-workers", str(self.min_workers_),
-            "--max-workers", str(self.max_workers_), "--cpu", self.cpu, "--memory", self.memory,
+            "--workers", str(self.workers), "--min-workers", str(self.counts.min_workers),
+            "--max-workers", str(self.counts.max_workers), "--cpu", self.cpu, "--memory", self.memory,
             "--gpu", str(self.gpu), "--max-restarts", str(self.max_restarts),
             "--heartbeat-timeout", f"{self.heartbeat_timeout_s:g}",
             "--rendezvous-timeout", f"{self.rendezvous_timeout_s:g}",

@@ -34,9 +34,7 @@ def run_master(config: K8sJobConfig, api=None) -> int:
     if api is None:
         api = core_api()
     params = CoordinatorParams(
-        min_workers=config.min_workers_,
-        max_workers=config.max_workers_,
-        target_workers=min(config.workers, config.max_workers_),
+        config.counts,
         heartbeat_interval_s=min(1.0, config.heartbeat_timeout_s / 4),
         heartbeat_timeout_s=config.heartbeat_timeout_s,
     )

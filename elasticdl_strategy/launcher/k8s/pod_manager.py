@@ -282,10 +282,11 @@ class PodManager:
             return JobOutcome("Succeeded", "training finished")  # pods still Pending are deleted
         if self.finished or self.pending_relaunches:
             return None
-        if len(alive) < self.config.min_workers_ and self.failures:
+        min_workers = self.config.counts.min_workers
+        if len(alive) < min_workers and self.failures:
             return JobOutcome(
                 "Failed",
-                f"{len(alive)} worker(s) left, fewer than --min-workers={self.config.min_workers_}, and none can be "
+                f"{len(alive)} worker(s) left, fewer than --min-workers={min_workers}, and none can be "
                 f"relaunched ({self.restarts} of {self.config.max_restarts} restarts used): "
                 + "; ".join(self.failures),
             )

@@ -184,5 +184,7 @@ def test_the_masters_flags_recreate_the_submitted_config():
 
     for config in (FULL, MINIMAL):
         parsed, _ = cli._config(cli._job_parser("master"), [*config.job_flags(), "--", *config.command])
-        explicit = dataclasses.replace(config, min_workers=config.min_workers_, max_workers=config.max_workers_)
+        explicit = dataclasses.replace(
+            config, min_workers=config.counts.min_workers, max_workers=config.counts.max_workers
+        )
         assert parsed == explicit
