@@ -39,6 +39,7 @@ import grpc
 
 from elasticdl_strategy.coordinator.changes import Changes
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
+from elasticdl_strategy.coordinator.position import Position
 from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
 from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.errors import ConfigError, ElasticDLError, UsageError
@@ -112,10 +113,6 @@ class _Barrier:
     position: coordinator_pb2.DataPosition
     arrived: Dict[str, bool] = dataclasses.field(default_factory=dict)  # worker id -> leaving
     error: str = ""
-
-
-def _position_text(p: coordinator_pb2.DataPosition) -> str:
-    return f"(epoch {p.epoch}, batch {p.batch}, record {p.cursor})"
 
 
 class Coordinator:
@@ -536,8 +533,8 @@ class Coordinator:
         if request.position != barrier.position:
             barrier.error = (
                 f"{request.worker_id} commits #{request.commit_id} at data position "
-                f"{_position_text(request.position)} but {sorted(barrier.arrived)} at "
-                f"{_position_text(barrier.position)}: the workers disagree on the data consumed"
+                f"({Position.from_proto(request.position)}) but {sorted(barrier.arrived)} at "
+                f"({Position.from_proto(barrier.position)}): the workers disagree on the data consumed"
             )
             self.changes.notify()
             return None

@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, Iterator, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from elasticdl_strategy import runtime
+from elasticdl_strategy.coordinator.position import Position
 from elasticdl_strategy.coordinator.shards import DatasetSpec
 from elasticdl_strategy.data.plan import BatchPolicy, EpochStream, next_cursor, rank_share, step_bounds
 from elasticdl_strategy.strategy.input_sharding import mark_per_worker
 from elasticdl_strategy.transport.protos import coordinator_pb2
-
-
-@dataclasses.dataclass(frozen=True)
-class Position:
-    """Where training stands in the data; the same on every worker at a commit."""
-
-    epoch: int = 0
-    batch: int = 0  # steps taken in this epoch
-    cursor: int = 0  # records of this epoch consumed (by all workers together)
-
-    def to_proto(self) -> coordinator_pb2.DataPosition:
-        return coordinator_pb2.DataPosition(epoch=self.epoch, batch=self.batch, cursor=self.cursor)
 
 
 class ElasticRecords:

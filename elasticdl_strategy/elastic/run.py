@@ -166,8 +166,7 @@ def _exit(message: str) -> NoReturn:
 def _where(state: State) -> str:
     if state.records is None:
         return ""
-    p = state.records.position
-    return f" (epoch {p.epoch}, batch {p.batch}, record {p.cursor})"
+    return f" ({state.records.position})"
 
 
 def _causes(error: Optional[BaseException]) -> Iterator[BaseException]:

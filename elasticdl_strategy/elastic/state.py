@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import logging
 import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -32,6 +31,7 @@ from elasticdl_strategy.errors import (
     UsageError,
     WorkerLeft,
 )
+from elasticdl_strategy.strategy import variable_agreement
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)
@@ -243,10 +243,10 @@ class State:
             return False
         self._apply(snapshot)
         self._keep(snapshot)
-        logger.warning(
+        logger.info(
             "resumed from checkpoint of commit #%d at %s",
             snapshot.commit_id,
-            _position_text(snapshot.position),
+            snapshot.position,
         )
         return True
 
@@ -291,10 +291,7 @@ class State:
 
     @staticmethod
     def _check_same_variables(communicator, variables) -> None:
-        text = "|".join(f"{getattr(v, 'path', None) or v.name}:{tuple(v.shape)}:{v.dtype}" for v in variables)
-        mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)[None, :]
-        digests = communicator.allgather(mine)
-        differing = [r for r in range(communicator.size) if not np.array_equal(digests[r], digests[0])]
+        differing = variable_agreement.ranks_that_differ(communicator, variable_agreement.describe(variables))
         if differing:
             raise CollectiveMismatchError(
                 f"rank {communicator.rank}: ranks {differing} hold different state variables than rank 0 "
@@ -302,10 +299,6 @@ class State:
                 ranks=differing,
                 rank=communicator.rank,
             )
-
-
-def _position_text(p: Position) -> str:
-    return f"epoch {p.epoch}, batch {p.batch}, record {p.cursor}"
 
 
 class KerasState(State):

@@ -7,7 +7,6 @@ other cross-replica reductions go through the gRPC ring of
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import warnings
 from typing import Iterable, Optional
@@ -17,7 +16,15 @@ import tensorflow as tf
 
 from elasticdl_strategy import runtime
 from elasticdl_strategy.errors import CollectiveMismatchError, ConfigError, UsageError
-from elasticdl_strategy.strategy import bridge, checkpoints, creation_broadcast, devices, input_sharding, keras_compat
+from elasticdl_strategy.strategy import (
+    bridge,
+    checkpoints,
+    creation_broadcast,
+    devices,
+    input_sharding,
+    keras_compat,
+    variable_agreement,
+)
 from elasticdl_strategy.strategy.tf_compat import (
     device_util,
     distribute_lib,
@@ -159,12 +166,6 @@ class AllReduceStrategy(distribute_lib.Strategy):
             _broadcast_variable(variable, root)
 
 
-def _variable_digest(variable: tf.Variable) -> np.ndarray:
-    name = getattr(variable, "path", None) or variable.name
-    text = f"{name}|{variable.shape}|{variable.dtype.name}"
-    return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)[None, :]
-
-
 def _broadcast_variable(variable: tf.Variable, root: int) -> None:
     """Checks that every worker creates the same variable here, then copies root's value.
 
@@ -179,8 +180,7 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
         return
     created_in_function = tf.inside_function()
     with tf.init_scope():
-        digests = communicator.allgather(_variable_digest(variable))
-        differing = [r for r in range(communicator.size) if not np.array_equal(digests[r], digests[root])]
+        differing = variable_agreement.ranks_that_differ(communicator, variable_agreement.describe([variable]), root)
         if differing:
             raise CollectiveMismatchError(
                 f"rank {communicator.rank}: ranks {differing} created a different variable than rank {root} "
