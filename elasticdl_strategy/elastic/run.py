@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import signal
@@ -23,7 +24,6 @@ from elasticdl_strategy.errors import (
     PeerFailureError,
     WorkerLeft,
 )
-from elasticdl_strategy.runtime.worker import ElasticLoop
 
 logger = logging.getLogger(__name__)
 
@@ -74,43 +74,61 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs) -> T:
         worker = runtime.current_worker()
-        worker.elastic_loop = ElasticLoop.RUNNING
+        worker.enter_elastic_loop()
         with _leave_on_sigterm(state):
-            first_entry = True
-            reset: Optional[_Reset] = None
+            reset: Optional[_Reset] = None  # None: the first entry
             while True:
                 try:
-                    if reset is not None:
-                        _recover(worker, state, reset)
-                    elif first_entry:
-                        # Rank 0 is a fresh process only when no member of a previous membership
-                        # survives (a new job, or one started again after all workers died).
-                        if worker.communicator.rank == 0:
-                            state.load_checkpoint()
-                    first_entry = False
-                    state.on_reset()
-                    state.sync()
-                    if reset is not None:
-                        _log_recovered(worker, state, reset)
-                        reset = None
+                    _prepare(worker, state, reset)
+                    reset = None
                     result = func(state, *args, **kwargs)
-                    worker.elastic_loop = ElasticLoop.RETURNED
+                    worker.elastic_loop_returned()
                     return result
-                except WorkerLeft as left:
-                    _exit(str(left) or f"left the job gracefully at commit #{state.commit_id}")
-                except JobFinished:  # evicted (say, after hanging) while the others finished without it
-                    _exit("the job finished without this worker; exiting")
-                except MembershipChangedInterrupt as change:
-                    reset = _Reset(str(change), failed=False, started=reset.started if reset else time.monotonic())
-                except Exception as error:  # noqa: BLE001 - classified below, re-raised unless recoverable
-                    failure = _recoverable_failure(error, worker)
-                    if failure is None:
+                except Exception as error:  # noqa: BLE001 - classify decides; what it cannot handle is re-raised
+                    decision = classify(error, worker)
+                    if decision.action is Action.RAISE:
                         raise
-                    logger.warning("%s: re-forming and rolling back to the last commit", failure)
-                    started = reset.started if reset else time.monotonic()
-                    reset = _Reset(str(failure), failed=True, started=started, suspects=_suspects(failure, worker))
+                    if decision.action is Action.LEAVE:
+                        _exit(decision.reason)
+                    reset = _Reset.after(decision, reset, worker)
 
     return wrapper
+
+
+class Action(enum.Enum):
+    """What ``elastic.run`` does about an exception its training function raised."""
+
+    RAISE = "raise it to the caller"
+    LEAVE = "end this worker"  # it is no longer a member: it left gracefully, or the job ended without it
+    SWITCH = "re-form without rolling back"  # members join or leave at the commit just recorded
+    RECOVER = "re-form and roll back to the last commit"  # a peer failed
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str = ""
+    failure: Optional[CommunicationError] = None  # RECOVER: the failure behind the error
+
+
+def classify(error: Exception, worker) -> Decision:
+    """What to do about ``error``, raised while training or re-forming on ``worker``.
+
+    A communication failure is recoverable if re-forming can fix it: not a
+    mismatch (the workers run different code), and not on a single worker.
+    Errors raised inside a ``tf.function`` reach us wrapped by TensorFlow, so
+    their causes and the communicator's own record of its failure are consulted.
+    """
+    if isinstance(error, WorkerLeft):
+        return Decision(Action.LEAVE, str(error))
+    if isinstance(error, JobFinished):  # evicted (say, after hanging) while the others finished without it
+        return Decision(Action.LEAVE, "the job finished without this worker; exiting")
+    if isinstance(error, MembershipChangedInterrupt):
+        return Decision(Action.SWITCH, str(error))
+    failure = _recoverable_failure(error, worker)
+    if failure is None:
+        return Decision(Action.RAISE)
+    return Decision(Action.RECOVER, str(failure), failure)
 
 
 @dataclasses.dataclass
@@ -121,6 +139,31 @@ class _Reset:
     failed: bool
     started: float
     suspects: List[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def after(cls, decision: Decision, pending: Optional["_Reset"], worker) -> "_Reset":
+        """The reset that ``decision`` asks for; a failure while ``pending`` was done keeps its start time."""
+        started = pending.started if pending else time.monotonic()
+        if decision.action is Action.SWITCH:
+            return cls(decision.reason, failed=False, started=started)
+        assert decision.failure is not None
+        logger.warning("%s: re-forming and rolling back to the last commit", decision.failure)
+        return cls(decision.reason, failed=True, started=started, suspects=_suspects(decision.failure, worker))
+
+
+def _prepare(worker, state: State, reset: Optional[_Reset]) -> None:
+    """Before (re-)entering the training function: re-form (or, on the first entry, load the newest
+    checkpoint on rank 0), run the reset callbacks, and sync the state from rank 0."""
+    if reset is not None:
+        _recover(worker, state, reset)
+    elif worker.communicator.rank == 0:
+        # Rank 0 is a fresh process only when no member of a previous membership
+        # survives (a new job, or one started again after all workers died).
+        state.load_checkpoint()
+    state.on_reset()
+    state.sync()
+    if reset is not None:
+        _log_recovered(worker, state, reset)
 
 
 def _recover(worker, state: State, reset: _Reset) -> None:

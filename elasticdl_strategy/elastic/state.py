@@ -185,7 +185,8 @@ class State:
         # this worker leave at a commit the coordinator recorded without its leaving (the others
         # would carry on with it in the membership); it leaves at the next commit instead.
         leaving = self.leave_requested
-        worker.leaving = worker.leaving or leaving
+        if leaving:
+            worker.request_leave()
         if worker.client is None:  # a single worker: nobody to agree with
             response = coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
         else:
@@ -203,14 +204,16 @@ class State:
                 membership_version=response.membership_version,
                 rank=worker.communicator.rank,
             )
-        worker.last_commit = coordinator_pb2.CommitRecord(
-            commit_id=self.commit_id, membership_version=version, position=snapshot.position.to_proto()
+        worker.record_commit(
+            coordinator_pb2.CommitRecord(
+                commit_id=self.commit_id, membership_version=version, position=snapshot.position.to_proto()
+            )
         )
         if self._checkpoints is not None and worker.communicator.rank == 0:
             if self.commit_id % self._checkpoint_every == 0:
                 self._checkpoints.save(self.variables(), snapshot)
         if leaving:
-            raise WorkerLeft()
+            raise WorkerLeft(f"left the job gracefully at commit #{self.commit_id}")
         if response.membership_version != version:
             raise MembershipChangedInterrupt(
                 f"membership changes at commit #{self.commit_id}: {response.reason}",

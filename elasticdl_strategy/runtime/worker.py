@@ -59,7 +59,7 @@ class Worker:
         # True when this worker joined a job that was already training: its state
         # comes from the others (elastic sync), not from broadcasts at creation.
         self.joined_running_job = joined_running_job
-        # The last commit the job recorded, as this worker knows it.
+        # The last commit the job recorded, as this worker knows it (record_commit).
         self.last_commit = coordinator_pb2.CommitRecord()
         self._server = server
         self._client = client
@@ -67,12 +67,30 @@ class Worker:
         self._reregister_lock = threading.Lock()
         self._declared_dead = False
         self._replaced = False
-        # Set when this worker asked to leave: the coordinator forgetting it is then expected.
+        # Set when this worker asked to leave (request_leave, shutdown): the coordinator forgetting it
+        # is then expected.
         self.leaving = False
-        # Set by elastic.run. In an elastic loop the coordinator's membership decides (else only the
-        # transport's proof does), and an exit while it runs does not mean the job finished.
+        # Moved by elastic.run (enter_elastic_loop, elastic_loop_returned). In an elastic loop the
+        # coordinator's membership decides (else only the transport's proof does), and an exit while it
+        # runs does not mean the job finished.
         self.elastic_loop = ElasticLoop.NONE
         self._kept_peers: Set[Tuple[int, str]] = set()  # (membership version, worker id): dropped, alive
+
+    def enter_elastic_loop(self) -> None:
+        """Called by ``elastic.run`` on entry: from now on the coordinator's membership decides."""
+        self.elastic_loop = ElasticLoop.RUNNING
+
+    def elastic_loop_returned(self) -> None:
+        """Called by ``elastic.run`` when the training function returned: an exit now ends the job."""
+        self.elastic_loop = ElasticLoop.RETURNED
+
+    def request_leave(self) -> None:
+        """This worker leaves at the commit it sends next: the coordinator dropping it is expected."""
+        self.leaving = True
+
+    def record_commit(self, record: coordinator_pb2.CommitRecord) -> None:
+        """The coordinator recorded ``record``: the commit a re-registration after its restart reports."""
+        self.last_commit = record
 
     @property
     def elastic(self) -> bool:

@@ -6,8 +6,16 @@ import pytest
 import tensorflow as tf
 
 from elasticdl_strategy import elastic
-from elasticdl_strategy.elastic.run import _recover, _Reset
-from elasticdl_strategy.errors import ElasticDLError
+from elasticdl_strategy.elastic.run import Action, _recover, _Reset, classify
+from elasticdl_strategy.errors import (
+    CollectiveMismatchError,
+    ElasticDLError,
+    JobFinished,
+    MembershipChangedInterrupt,
+    PeerFailureError,
+    RendezvousTimeoutError,
+    WorkerLeft,
+)
 
 pytestmark = pytest.mark.usefixtures("single_worker")
 
@@ -54,3 +62,47 @@ def test_a_rank_without_the_snapshot_that_is_not_rank_0_waits_for_the_sync():
     state = elastic.State(variables=[w])
     _recover(fake_worker(rank=1, last_commit_id=5), state, FAILURE)  # no error: rank 0's sync follows
     assert w.numpy().tolist() == [7.0] and state.commit_id == 0  # left as it was for the sync to overwrite
+
+
+def classify_on(error, failure=None, client=True):
+    worker = types.SimpleNamespace(
+        client=object() if client else None, communicator=types.SimpleNamespace(failure=failure)
+    )
+    return classify(error, worker)
+
+
+def wrapped(cause):
+    """An error as TensorFlow raises it out of a tf.function: the collective's error is its cause."""
+    try:
+        raise RuntimeError("graph execution error") from cause
+    except RuntimeError as e:
+        return e
+
+
+PEER_DIED = PeerFailureError("rank 1 died", peer_rank=1, rank=0)
+
+
+@pytest.mark.parametrize(
+    "error, failure, client, action",
+    [
+        (WorkerLeft("left the job gracefully at commit #3"), None, True, Action.LEAVE),
+        (JobFinished("finished"), None, True, Action.LEAVE),
+        (MembershipChangedInterrupt("b joins", membership_version=3), None, True, Action.SWITCH),
+        (PEER_DIED, None, True, Action.RECOVER),
+        (wrapped(PEER_DIED), None, True, Action.RECOVER),
+        (ValueError("a wrapped failure lost its cause"), PEER_DIED, True, Action.RECOVER),
+        (CollectiveMismatchError("different ops", ranks=[1]), None, True, Action.RAISE),
+        (wrapped(CollectiveMismatchError("different ops", ranks=[1])), PEER_DIED, True, Action.RAISE),
+        (ValueError("x"), CollectiveMismatchError("different ops", ranks=[1]), True, Action.RAISE),
+        (RendezvousTimeoutError("too few workers"), None, True, Action.RAISE),
+        (ValueError("a bug in the training function"), None, True, Action.RAISE),
+        (PEER_DIED, None, False, Action.RAISE),  # a single worker has nobody to re-form with
+    ],
+)
+def test_classify_decides_what_run_does_about_each_error(error, failure, client, action):
+    decision = classify_on(error, failure, client)
+    assert decision.action is action
+    if action is Action.RECOVER:
+        assert decision.failure is PEER_DIED and decision.reason == "rank 1 died"
+    if action is Action.LEAVE and isinstance(error, WorkerLeft):
+        assert decision.reason == "left the job gracefully at commit #3"

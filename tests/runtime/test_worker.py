@@ -7,7 +7,7 @@ import pytest
 
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.errors import PeerFailureError
-from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
+from elasticdl_strategy.runtime.worker import Worker
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2
 from tests.cluster import ThreadCluster
@@ -44,7 +44,8 @@ def _worker(cluster, latest, elastic, peer_address=None):
     env = types.SimpleNamespace(transport=TransportOptions(), peer_host="127.0.0.1", rendezvous_timeout_s=5)
     server = types.SimpleNamespace(port=1)
     worker = Worker(membership, "w0", cluster.communicators[0], server, FakeCoordinator(latest), env)
-    worker.elastic_loop = ElasticLoop.RUNNING if elastic else ElasticLoop.NONE
+    if elastic:
+        worker.enter_elastic_loop()
     return worker
 
 
