@@ -25,11 +25,11 @@ from elasticdl_strategy.transport.auth import call_metadata
 from elasticdl_strategy.transport.endpoints import open_channel
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc
+from elasticdl_strategy.transport.retry import Deadline, backoff, retryable
 
 logger = logging.getLogger(__name__)
 
 _RPC_TIMEOUT_S = 10.0
-_RETRY_PAUSE_S = 0.2
 
 
 class CoordinatorClient:
@@ -85,7 +85,7 @@ class CoordinatorClient:
             RendezvousError: the coordinator could not be reached in time or refused the worker.
             AuthenticationError: the job token was rejected.
         """
-        deadline = time.monotonic() + timeout
+        deadline, pauses = Deadline(timeout), backoff()
         request = coordinator_pb2.RegisterRequest(
             worker_id=self.worker_id, address=address, incarnation=self.incarnation
         )
@@ -99,17 +99,16 @@ class CoordinatorClient:
                 self.heartbeat_interval_s = response.heartbeat_interval_s or self.heartbeat_interval_s
                 return response
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if not retryable(e):
                     raise RendezvousError(
                         f"worker {self.worker_id}: the coordinator at {self.address} refused registration: "
                         f"{e.code().name}: {e.details()}"
                     ) from None
-                if time.monotonic() + _RETRY_PAUSE_S > deadline:
+                if not deadline.pause(next(pauses)):
                     raise RendezvousError(
                         f"worker {self.worker_id}: cannot reach the coordinator at {self.address} "
                         f"within {timeout:g}s ({e.code().name}: {e.details()}); is it running?"
                     ) from None
-            time.sleep(_RETRY_PAUSE_S)
 
     def wait_for_membership(
         self, after_version: int, timeout: float, stop: Optional[Callable[[], bool]] = None
@@ -128,7 +127,7 @@ class CoordinatorClient:
             RendezvousTimeoutError: none was published within ``timeout``;
                 the message says how many workers had registered.
         """
-        deadline = time.monotonic() + timeout
+        deadline, pauses = time.monotonic() + timeout, backoff()
         last = None
         longest_poll = 30.0 if stop is None else 1.0
         while True:
@@ -162,9 +161,9 @@ class CoordinatorClient:
                     # that is no reason to give up.
                     deadline = max(deadline, time.monotonic() + min(timeout, 30.0))
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if not retryable(e):
                     raise RendezvousError(f"worker {self.worker_id}: GetMembership failed: {e.details()}") from None
-                time.sleep(_RETRY_PAUSE_S)
+                time.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 if last is None:
                     raise RendezvousTimeoutError(
@@ -230,7 +229,7 @@ class CoordinatorClient:
             CollectiveTimeoutError: some members did not commit within ``timeout`` (names them).
             CollectiveMismatchError: the members committed different ids or data positions.
         """
-        deadline = time.monotonic() + timeout
+        deadline, pauses = Deadline(timeout), backoff()
         request = coordinator_pb2.CommitRequest(
             worker_id=self.worker_id,
             membership_version=membership_version,
@@ -240,16 +239,16 @@ class CoordinatorClient:
             incarnation=self.incarnation,
         )
         reason = "no answer from the coordinator"
-        while time.monotonic() < deadline:
+        while not deadline.expired():
             try:
                 response = self._call(self._stub.Commit, request, _RPC_TIMEOUT_S + 30.0)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     raise CollectiveMismatchError(f"worker {self.worker_id}: commit refused: {e.details()}") from None
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if not retryable(e):
                     raise
                 reason = f"the coordinator at {self.address} is unreachable ({e.code().name})"
-                time.sleep(_RETRY_PAUSE_S)
+                deadline.pause(min(next(pauses), deadline.remaining()))
                 continue
             if response.recorded or response.membership_version > membership_version:
                 return response
@@ -284,7 +283,7 @@ class CoordinatorClient:
         Raises:
             UsageError: ``spec`` differs from the job's dataset.
         """
-        deadline = time.monotonic() + timeout
+        deadline, pauses = Deadline(timeout), backoff()
         request = coordinator_pb2.GetShardsRequest(worker_id=self.worker_id, spec=spec, epoch=epoch)
         while True:
             try:
@@ -293,9 +292,8 @@ class CoordinatorClient:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise UsageError(e.details()) from None
-                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                if not retryable(e) or not deadline.pause(next(pauses)):
                     raise RendezvousError(f"worker {self.worker_id}: GetShards failed: {e.details()}") from None
-                time.sleep(_RETRY_PAUSE_S)
 
     def leave(self, reason: str, finished: bool = False) -> None:
         """Tells the coordinator this worker is leaving (``finished``: its program succeeded); best effort."""
