@@ -127,18 +127,7 @@ class Worker:
             client.start_heartbeats(lambda: worker.membership.version if worker else 0, on_heartbeat)
             membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s)
             assert membership is not None  # without a stop callback it raises instead
-            rank = membership.rank_of(env.worker_id)
-            p2p = PointToPoint(
-                rank,
-                membership.addresses,
-                membership.version,
-                env.token,
-                env.transport,
-                worker_id=env.worker_id,
-                worker_ids=[m.worker_id for m in membership.members],
-            )
-            communicator = Communicator(p2p)
-            server.set_listener(membership.version, p2p)
+            communicator = _communicator_for(membership, env.worker_id, env, server)
         except BaseException:
             if client is not None:
                 client.leave("failed to join")
@@ -148,7 +137,7 @@ class Worker:
         worker = cls(membership, env.worker_id, communicator, server, client, env, registered.joins_running_job)
         logger.info(
             "joined as rank %d of %d (membership version %d)",
-            rank,
+            communicator.rank,
             membership.size,
             membership.version,
         )
@@ -294,20 +283,9 @@ class Worker:
         new = client.wait_for_membership(after_version=old.version, timeout=timeout, stop=stop)
         if new is None:
             return None
-        rank = new.rank_of(self.worker_id)
-        p2p = PointToPoint(
-            rank,
-            new.addresses,
-            new.version,
-            env.token,
-            env.transport,
-            worker_id=self.worker_id,
-            worker_ids=[m.worker_id for m in new.members],
-        )
         previous = self.communicator
-        self.communicator = Communicator(p2p)
+        self.communicator = _communicator_for(new, self.worker_id, env, server)
         self.membership = new
-        server.set_listener(new.version, p2p)
         # Goodbyes to the old peers in the background: a hung peer must not delay training.
         threading.Thread(target=previous.close, kwargs={"timeout": 2.0}, name="edl-close-old", daemon=True).start()
         elapsed = time.monotonic() - started
@@ -319,7 +297,7 @@ class Worker:
             new.reason,
             [m.worker_id for m in old.members],
             [m.worker_id for m in new.members],
-            rank,
+            self.communicator.rank,
             new.size,
             elapsed,
         )
@@ -338,3 +316,21 @@ class Worker:
             self._client.close()
         if self._server is not None:
             self._server.stop(grace=1.0)
+
+
+def _communicator_for(
+    membership: Membership, worker_id: str, env: WorkerEnvironment, server: WorkerServer
+) -> Communicator:
+    """This worker's communicator in ``membership``; ``server`` hands it the streams of that version."""
+    p2p = PointToPoint(
+        membership.rank_of(worker_id),
+        membership.addresses,
+        membership.version,
+        env.token,
+        env.transport,
+        worker_id=worker_id,
+        worker_ids=[m.worker_id for m in membership.members],
+    )
+    communicator = Communicator(p2p)
+    server.set_listener(membership.version, p2p)
+    return communicator
