@@ -46,7 +46,7 @@ class OverlapDetector:
 @pytest.fixture
 def detector(monkeypatch):
     communicator = OverlapDetector()
-    monkeypatch.setattr(bridge.collective, "communicator", lambda: communicator)
+    monkeypatch.setattr(bridge.runtime, "communicator", lambda: communicator)
     return communicator
 
 
