@@ -12,10 +12,14 @@ Decisions per worker pod (``decide``):
 * the job fails when fewer than ``--min-workers`` workers remain alive and the
   budget cannot replace them, with a message saying why.
 
-Watch events are applied idempotently: a pod's events older than the last one
-seen (by resourceVersion) are ignored, so duplicates and reordering are
-harmless, and any phase may follow Pending (a pod can fail before running).
-The watch resumes from the last resourceVersion and re-lists on 410 Gone.
+Watch events are applied idempotently. resourceVersions are opaque strings
+(the API promises no order between them): an event whose (uid,
+resourceVersion) equals the last one seen is a duplicate, and order comes
+from the watch stream itself and from the pod lifecycle, whose phase never
+goes back (Pending, then Running, then Succeeded or Failed), so an event
+that would move a pod back is a late one and is ignored. Any phase may follow
+Pending (a pod can fail before running). The watch resumes from the last
+resourceVersion and re-lists on 410 Gone.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class WorkerPod:
     phase: str = "Pending"
     exit_code: Optional[int] = None
     reason: str = ""
-    resource_version: int = -1
+    uid: Optional[str] = None
+    resource_version: Optional[str] = None  # of the last event applied; None: none seen yet
     deleted: bool = False  # deleted or being deleted
     gone: bool = False  # the DELETED event arrived
     handled: bool = False  # its end was acted upon (relaunched, accepted or reported)
@@ -84,11 +89,18 @@ def decide(pod: WorkerPod, relaunch_on_error: bool, training_finished: bool = Tr
     return "relaunch"  # deleted, evicted, preempted, or killed by a signal (128-255)
 
 
-def _rv(obj: Any) -> int:
-    try:
-        return int(obj.metadata.resource_version)
-    except (TypeError, ValueError):
-        return -1
+# A pod's phase only moves forward; an event that would move it back arrived late.
+_PHASE_ORDER = {"Pending": 0, "Running": 1, "Unknown": 1, "Succeeded": 2, "Failed": 2}
+
+
+def _is_stale(pod: WorkerPod, kind: str, obj: Any) -> bool:
+    """Whether a watch event of ``pod`` adds nothing: a duplicate, or older than what is known."""
+    if kind == "DELETED":
+        return False
+    if (obj.metadata.uid, obj.metadata.resource_version) == (pod.uid, pod.resource_version):
+        return True
+    phase = obj.status.phase if obj.status is not None else None
+    return phase is not None and _PHASE_ORDER.get(phase, 0) < _PHASE_ORDER.get(pod.phase, 0)
 
 
 @dataclasses.dataclass
@@ -193,10 +205,9 @@ class PodManager:
             except ValueError:
                 return  # not one of ours
             pod = self.pods[name] = WorkerPod(index, name)
-        version = _rv(obj)
-        if version <= pod.resource_version and kind != "DELETED":
-            return  # a duplicate or an older event
-        pod.resource_version = max(pod.resource_version, version)
+        if _is_stale(pod, kind, obj):
+            return
+        pod.uid, pod.resource_version = obj.metadata.uid, obj.metadata.resource_version
         status = obj.status
         if status is not None:
             pod.phase = status.phase or pod.phase
@@ -278,7 +289,7 @@ class PodManager:
         """The job's end, once it is decided."""
         alive = self.alive()
         # Pods seen Pending (unschedulable standbys, relaunches waiting for room) don't hold up the end.
-        if self.finished and all(p.phase == "Pending" and p.resource_version >= 0 for p in alive):
+        if self.finished and all(p.phase == "Pending" and p.resource_version is not None for p in alive):
             return JobOutcome("Succeeded", "training finished")  # pods still Pending are deleted
         if self.finished or self.pending_relaunches:
             return None

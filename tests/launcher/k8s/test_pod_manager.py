@@ -52,7 +52,7 @@ class Clock:
         return self.now
 
 
-def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None, deleting=False):
+def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None, deleting=False, uid=None):
     index = name.rsplit("-", 1)[1]
     statuses = None
     if exit_code is not None:
@@ -70,6 +70,7 @@ def pod(name, rv, phase, exit_code=None, reason=None, status_reason=None, deleti
     return V1Pod(
         metadata=V1ObjectMeta(
             name=name,
+            uid=uid or f"uid-{name}",
             resource_version=str(rv),
             labels={"elasticdl-strategy/worker-id": index},
             deletion_timestamp=datetime.datetime.now(datetime.timezone.utc) if deleting else None,
@@ -125,6 +126,26 @@ def test_a_deleted_worker_is_relaunched_under_a_new_id_after_a_backoff():
     m.relaunch_due()
     assert api.created[-1] == "job-worker-3" and m.restarts == 1
     assert m.check_outcome() is None
+
+
+def test_resource_versions_are_opaque_strings_not_numbers():
+    # The API documents resourceVersion as opaque: these must not be parsed, compared or dropped.
+    m, api, clock = manager()
+    m.apply("ADDED", pod("job-worker-1", "Cg8xMjM0NTY3", "Pending"))
+    m.apply("MODIFIED", pod("job-worker-1", "opaque-b", "Running"))
+    m.apply("MODIFIED", pod("job-worker-1", "a", "Failed", exit_code=2))
+    assert m.pods["job-worker-1"].phase == "Failed" and m.pods["job-worker-1"].resource_version == "a"
+    assert m.failures and "job-worker-1 exited with code 2" in m.failures[0]
+
+
+def test_an_event_equal_in_uid_and_resource_version_is_a_duplicate_but_another_uid_is_not():
+    m, api, clock = manager()
+    m.apply("MODIFIED", pod("job-worker-2", "5", "Running"))
+    m.pods["job-worker-2"].reason = "seen"
+    m.apply("MODIFIED", pod("job-worker-2", "5", "Running", status_reason="changed"))  # the same event again
+    assert m.pods["job-worker-2"].reason == "seen"
+    m.apply("MODIFIED", pod("job-worker-2", "5", "Running", status_reason="changed", uid="other"))
+    assert m.pods["job-worker-2"].reason == "changed"
 
 
 def test_duplicate_and_out_of_order_events_change_nothing():
