@@ -65,8 +65,8 @@ def _differences(mine: peer_pb2.CollectiveDescriptor, theirs: peer_pb2.Collectiv
 class Communicator:
     """Collectives over the ranks of one membership.
 
-    Most code uses the module-level functions of :mod:`elasticdl_strategy.collective`,
-    which call the communicator made by ``collective.init()``.
+    Most code uses the module-level functions of :mod:`elasticdl_strategy.runtime`,
+    which call the communicator that ``runtime.init()`` made for the current membership.
 
     Args:
         p2p: the point-to-point endpoint of this membership.
