@@ -183,6 +183,7 @@ class JobClient:
             "membership_version": int(data.get("membership_version", "0") or 0),
             "restarts": int(data.get("restarts", "0") or 0),
             "workers": json.loads(data.get("workers", "{}") or "{}"),
+            "workers_not_listed": int(data.get("workers_not_listed", "0") or 0),
             "pods": live,
         }
 
@@ -231,6 +232,8 @@ def format_status(status: dict) -> str:
         f"membership version {status['membership_version']}, {status['restarts']} worker restart(s)",
         f"{'POD':<40} {'PHASE':<12} {'RESTARTS':<9} {'EXIT':<5} REASON",
     ]
+    if status.get("workers_not_listed"):
+        lines.insert(2, f"({status['workers_not_listed']} earlier ended worker pods are counted, not listed)")
     names = sorted(set(status["workers"]) | set(status["pods"]))
     for name in names:
         worker = status["workers"].get(name, {})

@@ -89,6 +89,35 @@ def decide(pod: WorkerPod, relaunch_on_error: bool, training_finished: bool = Tr
     return "relaunch"  # deleted, evicted, preempted, or killed by a signal (128-255)
 
 
+# The status ConfigMap stays far below Kubernetes' 1 MiB object limit at any job size: every pod
+# not ended is listed, but of the ended ones and of the failures only the newest are, the rest counted.
+STATUS_ENDED_PODS = 100
+STATUS_FAILURES = 20
+
+
+def index_ranges(indices: Set[int]) -> str:
+    """``{0, 1, 2, 5, 7, 8}`` as ``"0-2,5,7-8"``: the settled worker indices, whatever their number.
+
+    >>> index_ranges({0, 1, 2, 5, 7, 8}), parse_index_ranges("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
+    ('0-2,5,7-8', True)
+    """
+    runs: List[List[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def parse_index_ranges(text: str) -> Set[int]:
+    indices: Set[int] = set()
+    for run in filter(None, text.split(",")):
+        first, _, last = run.partition("-")
+        indices.update(range(int(first), int(last or first) + 1))
+    return indices
+
+
 # A pod's phase only moves forward; an event that would move it back arrived late.
 _PHASE_ORDER = {"Pending": 0, "Running": 1, "Unknown": 1, "Succeeded": 2, "Failed": 2}
 
@@ -143,8 +172,9 @@ class PodManager:
         self.pending_relaunches: List[Tuple[float, str]] = []  # (due time, pod it replaces)
         # Ended pods whose end was fully dealt with (replaced, accepted or reported), kept in the status
         # so that a restarted master neither replaces them twice nor forgets a replacement it owed.
-        self.settled: Set[str] = set()
+        self.settled: Set[int] = set()  # indices of the worker pods whose end was dealt with
         self.failures: List[str] = []
+        self.earlier_failures = 0  # failures before a master restart that the status only counted
         self.finished = False
         self.outcome: Optional[JobOutcome] = None
         self._status_written = ""
@@ -168,7 +198,7 @@ class PodManager:
             self.config.namespace, label_selector=manifests.selector(self.config, "worker")
         )
         for item in existing.items:
-            if item.metadata.name in self.settled:
+            if int(item.metadata.labels[manifests.WORKER_ID_LABEL]) in self.settled:
                 self.pods[item.metadata.name] = WorkerPod(
                     int(item.metadata.labels[manifests.WORKER_ID_LABEL]), item.metadata.name, handled=True
                 )
@@ -189,8 +219,9 @@ class PodManager:
             logger.debug("no previous status: %s", e)
             return
         self.restarts = int(data.get("restarts", "0") or 0)
-        self.settled = set(json.loads(data.get("settled", "[]") or "[]"))
+        self.settled = parse_index_ranges(data.get("settled", ""))
         self.failures = list(json.loads(data.get("failures", "[]") or "[]"))
+        self.earlier_failures = int(data.get("failures_total", "0") or 0) - len(self.failures)
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -233,7 +264,7 @@ class PodManager:
         pod.handled = True
         action = decide(pod, self.config.relaunch_on_error, self.training_finished())
         if action != "relaunch" or self.finished:
-            self.settled.add(pod.name)
+            self.settled.add(pod.index)
         if action == "finished":
             if not self.finished:
                 logger.info("%s finished: training is done", pod.name)
@@ -265,7 +296,7 @@ class PodManager:
             if self.finished:
                 break
             self.restarts += 1
-            self.settled.add(replaced)
+            self.settled.add(self.pods[replaced].index)
             try:
                 pod = self.create_worker()
             except ApiException as e:  # quota, admission webhook, RBAC: counts against the budget
@@ -298,15 +329,22 @@ class PodManager:
             return JobOutcome(
                 "Failed",
                 f"{len(alive)} worker(s) left, fewer than --min-workers={min_workers}, and none can be "
-                f"relaunched ({self.restarts} of {self.config.max_restarts} restarts used): "
-                + "; ".join(self.failures),
+                f"relaunched ({self.restarts} of {self.config.max_restarts} restarts used): " + self._failures_text(),
             )
         return None
 
+    def _failures_text(self, shown: int = 5) -> str:
+        more = self.earlier_failures + max(0, len(self.failures) - shown)
+        return "; ".join(self.failures[-shown:]) + (f" (and {more} earlier)" if more else "")
+
     def status(self) -> Dict[str, str]:
+        """The job's status ConfigMap: phase, message, the pods not ended and the newest ended ones,
+        restarts, settled indices and the newest failures (bounded at any job size)."""
+        ended = [p for p in sorted(self.pods.values(), key=lambda p: p.index) if p.ended]
+        listed = sorted([*self.alive(), *ended[-STATUS_ENDED_PODS:]], key=lambda p: p.index)
         workers = {
             p.name: {"phase": "Deleted" if p.deleted else p.phase, "exit_code": p.exit_code, "reason": p.reason}
-            for p in sorted(self.pods.values(), key=lambda p: p.index)
+            for p in listed
         }
         phase = self.outcome.phase if self.outcome else ("Finishing" if self.finished else "Running")
         message = self.outcome.message if self.outcome else f"{len(self.alive())} worker(s) alive"
@@ -314,10 +352,12 @@ class PodManager:
             "phase": phase,
             "message": message,
             "workers": json.dumps(workers, sort_keys=True),
+            "workers_not_listed": str(len(self.pods) - len(listed)),
             "restarts": str(self.restarts),
             "membership_version": str(self.membership_version()),
-            "settled": json.dumps(sorted(self.settled)),
-            "failures": json.dumps(self.failures),
+            "settled": index_ranges(self.settled),
+            "failures": json.dumps(self.failures[-STATUS_FAILURES:]),
+            "failures_total": str(self.earlier_failures + len(self.failures)),
         }
 
     def write_status(self, force: bool = False) -> None:

@@ -261,3 +261,34 @@ def test_a_restarted_master_keeps_the_budget_and_does_not_replace_a_pod_twice():
     restarted.start()
     assert restarted.restarts == 1 and not restarted.pending_relaunches and api2.created == []
     assert created[-1] == "job-worker-2"
+
+
+def test_the_status_of_a_thousand_workers_stays_far_below_the_config_map_limit():
+    name = "a-job-name-as-long-as-names-may-be"  # 34 characters: pod names of 50
+    config = K8sJobConfig(name=name, image="edl", command=("python", "t.py"), workers=1000, max_restarts=1000)
+    api, clock = FakeCoreApi(), Clock()
+    m = PodManager(api, config, {"name": f"{name}-master", "uid": "u"}, "10.0.0.1:50051", clock=clock)
+    m.start()
+    for index in range(1000):  # every worker is killed once and relaunched, then 500 fail for good
+        m.apply("MODIFIED", pod(f"{name}-worker-{index}", "1", "Failed", exit_code=137))
+        clock.now += 120.0
+        m.relaunch_due()
+    for index in range(1000, 1500):
+        m.apply("MODIFIED", pod(f"{name}-worker-{index}", "1", "Failed", exit_code=3, reason="Error"))
+    status = m.status()
+    size = sum(len(k) + len(v) for k, v in status.items())
+    assert len(m.pods) == 2000 and m.restarts == 1000 and len(m.failures) == 500
+    assert size < 256 << 10, size  # Kubernetes refuses objects over 1 MiB
+    assert status["settled"] == "0-1499" and status["failures_total"] == "500"
+    assert len(json.loads(status["workers"])) == 500 + 100 and status["workers_not_listed"] == "1400"
+    outcome = m.check_outcome()  # 500 alive, fewer than --min-workers (1000), no restarts left
+    assert outcome.phase == "Failed" and outcome.message.endswith("(and 495 earlier)") and len(outcome.message) < 2000
+
+
+def test_a_restarted_master_reads_back_the_settled_pods_and_the_failure_count():
+    m, api, clock = manager(workers=3, max_restarts=0)
+    m.apply("MODIFIED", pod("job-worker-1", "2", "Failed", exit_code=3))
+    api.status = m.status()
+    again = PodManager(api, m.config, {"name": "job-master", "uid": "u"}, "10.0.0.1:50051", clock=clock)
+    again._read_previous_status()
+    assert again.settled == {1} and again.failures == m.failures and again.earlier_failures == 0
