@@ -121,10 +121,16 @@ def _manifest(argv: List[str]) -> int:
 
 
 def _master(argv: List[str]) -> int:
+    import os
+
+    from elasticdl_strategy.launcher.k8s.job_config import JOB_CONFIG_VARIABLE, K8sJobConfig
     from elasticdl_strategy.launcher.k8s.master import run_master
 
-    config, _ = _config(_job_parser("master"), argv)
-    return run_master(config)
+    if argv:
+        raise ConfigError(f"the master takes no arguments: its configuration comes in {JOB_CONFIG_VARIABLE}")
+    if JOB_CONFIG_VARIABLE not in os.environ:
+        raise ConfigError(f"{JOB_CONFIG_VARIABLE} is not set: the master runs in the pod that `submit` creates")
+    return run_master(K8sJobConfig.from_json(os.environ[JOB_CONFIG_VARIABLE]))
 
 
 def _job_name_parser(command: str) -> argparse.ArgumentParser:

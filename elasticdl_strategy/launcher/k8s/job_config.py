@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Dict, Optional, Sequence, Tuple
 
 from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.logs import LEVEL_VARIABLE, level_from_env
+
+# The master pod's environment variable that holds the job's configuration (K8sJobConfig.to_json).
+JOB_CONFIG_VARIABLE = "EDL_JOB_CONFIG"
 
 # Longest suffix added to the job name ("-worker-" + a worker id of up to 5 digits).
 _LONGEST_SUFFIX = len("-worker-99999")
@@ -134,24 +138,21 @@ class K8sJobConfig:
     def worker_name(self, worker_index: int) -> str:
         return f"{self.name}-worker-{worker_index}"
 
-    def job_flags(self) -> Tuple[str, ...]:
-        """The flags that recreate this config (passed to the master's command line)."""
-        flags = [
-            "--name", self.name, "--namespace", self.namespace, "--image", self.image,
-            "--workers", str(self.workers), "--min-workers", str(self.counts.min_workers),
-            "--max-workers", str(self.counts.max_workers), "--cpu", self.cpu, "--memory", self.memory,
-            "--gpu", str(self.gpu), "--max-restarts", str(self.max_restarts),
-            "--heartbeat-timeout", f"{self.heartbeat_timeout_s:g}",
-            "--rendezvous-timeout", f"{self.rendezvous_timeout_s:g}",
-            "--termination-grace", str(self.termination_grace_s),
-            "--image-pull-policy", self.image_pull_policy,
-        ]  # fmt: skip
-        if self.priority_class:
-            flags += ["--priority-class", self.priority_class]
-        if self.relaunch_on_error:
-            flags.append("--relaunch-on-error")
-        if self.shared_memory_host_path:
-            flags += ["--shared-memory-host-path", self.shared_memory_host_path]
-        for key, value in self.env:
-            flags += ["--env", f"{key}={value}"]
-        return tuple(flags)
+    def to_json(self) -> str:
+        """The config as data, for the master pod (``EDL_JOB_CONFIG``); :meth:`from_json` reads it back."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "K8sJobConfig":
+        """The config :meth:`to_json` wrote, validated again.
+
+        Raises:
+            ConfigError: not such a config (not JSON, unknown or missing fields, invalid values).
+        """
+        try:
+            data = json.loads(text)
+            data["command"] = tuple(data["command"])
+            data["env"] = tuple((key, value) for key, value in data["env"])
+            return cls(**data)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"{JOB_CONFIG_VARIABLE} does not hold a job configuration: {e}") from None

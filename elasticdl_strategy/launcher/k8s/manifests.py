@@ -20,7 +20,13 @@ import base64
 from typing import Any, Dict, List, Optional
 
 from elasticdl_strategy import environment
-from elasticdl_strategy.launcher.k8s.job_config import COORDINATOR_PORT, DATA_PORT, WORKER_PORT, K8sJobConfig
+from elasticdl_strategy.launcher.k8s.job_config import (
+    COORDINATOR_PORT,
+    DATA_PORT,
+    JOB_CONFIG_VARIABLE,
+    WORKER_PORT,
+    K8sJobConfig,
+)
 
 Manifest = Dict[str, Any]
 
@@ -146,13 +152,15 @@ def master_service(config: K8sJobConfig) -> Manifest:
 
 
 def master_pod(config: K8sJobConfig) -> Manifest:
-    """The master: ``elasticdl-strategy k8s master <job flags> -- <command>``; restarted in place on failure."""
+    """The master: ``elasticdl-strategy k8s master``, its job's configuration in ``EDL_JOB_CONFIG``
+    (as data: nothing is turned back into flags); restarted in place on failure."""
     container = {
         "name": "master",
         "image": config.image,
         "imagePullPolicy": config.image_pull_policy,
-        "command": ["elasticdl-strategy", "k8s", "master", *config.job_flags(), "--", *config.command],
+        "command": ["elasticdl-strategy", "k8s", "master"],
         "env": [
+            {"name": JOB_CONFIG_VARIABLE, "value": config.to_json()},
             _token_env(config),
             _field_env("EDL_POD_NAME", "metadata.name"),
             _field_env("EDL_POD_UID", "metadata.uid"),

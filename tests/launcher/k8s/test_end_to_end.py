@@ -15,6 +15,7 @@ from elasticdl_strategy.launcher.k8s.job_client import JobClient
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
 from tests.launch import REPO_ROOT, worker_script
 from tests.launcher.k8s.emulator import KubeEmulator
+from tests.launcher.k8s.flags import submit_flags
 
 pytestmark = pytest.mark.slow
 
@@ -154,10 +155,10 @@ def test_the_command_line_submits_shows_logs_and_deletes_and_refuses_a_second_jo
     kubeconfig = tmp_path / "kubeconfig"
     cluster.write_kubeconfig(kubeconfig)
     config = job(tmp_path, workers=1, min_workers=1)
-    result = k8s_cli(kubeconfig, "submit", *config.job_flags(), "--", *config.command)
+    result = k8s_cli(kubeconfig, "submit", *submit_flags(config), "--", *config.command)
     assert result.returncode == 0, result.stderr
     assert "created Pod/job-master" in result.stdout and "job job submitted" in result.stdout
-    again = k8s_cli(kubeconfig, "submit", *config.job_flags(), "--", *config.command)
+    again = k8s_cli(kubeconfig, "submit", *submit_flags(config), "--", *config.command)
     assert again.returncode == 2 and "already exists" in again.stderr
     KubeEmulator.wait_for(lambda: cluster.pod("job-worker-0"), timeout=60)
     status = k8s_cli(kubeconfig, "status", "job")

@@ -2,6 +2,7 @@
 
 import base64
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import yaml
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
+from tests.launcher.k8s.flags import submit_flags
 
 # Kubernetes versions the manifests are checked against (native gRPC probes need 1.24+).
 VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -49,7 +51,7 @@ def test_every_object_validates_against_the_kubernetes_schema(config, version):
 
 def test_the_printed_manifest_is_what_submit_creates_and_validates():
     result = subprocess.run(
-        [sys.executable, "-m", "elasticdl_strategy", "k8s", "manifest", *FULL.job_flags(), "--", *FULL.command],
+        [sys.executable, "-m", "elasticdl_strategy", "k8s", "manifest", *submit_flags(FULL), "--", *FULL.command],
         capture_output=True,
         text=True,
         timeout=60,
@@ -123,7 +125,7 @@ def test_a_worker_pod_with_a_gpu_gives_it_to_its_one_worker_process():
     assert (env["EDL_LOCAL_RANK"], env["EDL_LOCAL_SIZE"]) == ("0", "1")
     # The device plugin isolates the pod's GPU: nothing narrows the GPUs the worker sees.
     assert "CUDA_VISIBLE_DEVICES" not in env and "NVIDIA_VISIBLE_DEVICES" not in env
-    assert "--gpu" in FULL.job_flags() and FULL.job_flags()[FULL.job_flags().index("--gpu") + 1] == "1"
+    assert master_config(FULL).gpu == 1  # the master recreates the same pods
 
     plain = manifests.worker_pod(MINIMAL, 0, "10.1.2.3:50051")["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in plain["resources"]["limits"]
@@ -145,7 +147,7 @@ def test_workers_share_a_node_directory_for_shared_memory_only_when_asked():
     assert env["EDL_SHM_DIR"] == "/edl-shm"
     assert container["volumeMounts"] == [{"name": "edl-shared-memory", "mountPath": "/edl-shm"}]
     assert spec["volumes"][0]["hostPath"] == {"path": "/dev/shm/edl-mnist", "type": "DirectoryOrCreate"}
-    assert "--shared-memory-host-path" in FULL.job_flags()  # the master recreates the same pods
+    assert master_config(FULL).shared_memory_host_path == FULL.shared_memory_host_path  # so does the master
 
     plain = manifests.worker_pod(MINIMAL, 0, "10.1.2.3:50051")
     assert "volumes" not in plain["spec"] and "volumeMounts" not in plain["spec"]["containers"][0]
@@ -179,12 +181,41 @@ def test_the_rendered_example_in_examples_k8s_validates():
             kubernetes_validate.validate(document, VERSIONS[-1], strict=True)
 
 
-def test_the_masters_flags_recreate_the_submitted_config():
-    from elasticdl_strategy.launcher.k8s import cli
+def master_config(config):
+    """The configuration the master pod of ``config`` reads (its EDL_JOB_CONFIG)."""
+    container = manifests.master_pod(config)["spec"]["containers"][0]
+    assert container["command"] == ["elasticdl-strategy", "k8s", "master"]  # no flags: the config is data
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    return K8sJobConfig.from_json(env["EDL_JOB_CONFIG"])
 
-    for config in (FULL, MINIMAL):
-        parsed, _ = cli._config(cli._job_parser("master"), [*config.job_flags(), "--", *config.command])
-        explicit = dataclasses.replace(
-            config, min_workers=config.counts.min_workers, max_workers=config.counts.max_workers
-        )
-        assert parsed == explicit
+
+@pytest.mark.parametrize("config", [FULL, MINIMAL], ids=["full", "minimal"])
+def test_the_master_reads_the_submitted_config_as_data(config):
+    assert master_config(config) == config
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("not json", "Expecting value"),
+        ("{}", "'command'"),
+        (MINIMAL.to_json().replace('"workers": 1', '"workers": 0'), "--workers=0"),
+    ],
+)
+def test_a_master_config_that_is_not_one_is_a_one_line_error(text, says):
+    with pytest.raises(ConfigError, match="EDL_JOB_CONFIG|--workers=0") as refused:
+        K8sJobConfig.from_json(text)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_master_command_refuses_flags_and_a_missing_config_in_one_line():
+    for argv, env, says in [
+        (["--name", "x"], {"EDL_JOB_CONFIG": MINIMAL.to_json()}, "the master takes no arguments"),
+        ([], {}, "EDL_JOB_CONFIG is not set"),
+    ]:
+        result = subprocess.run(
+            [sys.executable, "-m", "elasticdl_strategy", "k8s", "master", *argv],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "EDL_JOB_CONFIG"} | env,
+        )  # fmt: skip
+        assert result.returncode == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr
