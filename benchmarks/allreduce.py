@@ -104,7 +104,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -119,6 +118,19 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 # which has mpi4py but neither elasticdl_strategy nor torch nor TensorFlow (each backend imports its own).
 import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 import numpy as np
+from _common import (  # noqa: E402
+    RUN_TIMEOUT_S,
+    describe,
+    format_size,
+    free_ports,
+    launch,
+    log_tail,
+    read_report,
+    run_benchmark,
+    stop,
+    wait_all,
+    write_json_atomically,
+)
 
 FRAMEWORKS = ("shm", "socket", "grpc", "gloo", "tf", "mpi", "mpi-tcp")
 OURS = ("shm", "socket", "grpc")  # our data paths; the ratio lines compare these with the others
@@ -139,12 +151,9 @@ DEFAULT_SIZES = "4KiB,256KiB,4MiB,64MiB,256MiB"
 DEFAULT_WORKERS = "2,4"
 LARGE_BYTES = 64 << 20  # sizes from here on get fewer repeats
 SHM_CHECK_BYTES = 256 << 10  # from the first size this large on, the path must be in use
-RUN_TIMEOUT_S = 600.0  # per framework and worker count
 CELL_TIMEOUT_S = 240.0  # per size within a run
 PROFILE_TOP = 15
 PROFILE_RATE_HZ = 200
-STOP_GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping a process
-LOG_TAIL_LINES = 20
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
@@ -163,13 +172,6 @@ def parse_size(text: str) -> int:
     if nbytes <= 0 or nbytes % 4:
         raise argparse.ArgumentTypeError(f"size {text!r} must be a positive multiple of 4 bytes (float32)")
     return nbytes
-
-
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
 
 
 def repeats_for(nbytes: int, repeats: int) -> int:
@@ -517,17 +519,6 @@ def measure(backend: Backend, count: int, repeats: int, warmup: int) -> List[flo
     return seconds
 
 
-def _describe(error: Exception, limit: int = 300) -> str:
-    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def worker_main(
     framework: str, sizes: Sequence[int], repeats: int, warmup: int, results: Path, fixed_repeats: bool = False
 ) -> int:
@@ -542,7 +533,7 @@ def worker_main(
         key = str(nbytes)
         if backend.rank == 0:
             report["current"] = key
-            _write_json(results, report)
+            write_json_atomically(results, report)
         backend.prepare(0)  # release the previous buffer before the memory baseline
         rss_before = probe.start()
         try:
@@ -553,11 +544,11 @@ def worker_main(
                 report["errors"][key] = problem
         except Exception as e:  # record the cell and go on with the next size
             traceback.print_exc()
-            report["errors"][key] = _describe(e)
+            report["errors"][key] = describe(e)
         report["memory"][key] = {"rss_before_MiB": rss_before, "peak_MiB": probe.peak(), "source": probe.source}
         report["current"] = None
         if backend.rank == 0:
-            _write_json(results, report)
+            write_json_atomically(results, report)
     backend.barrier()  # nobody leaves while others still communicate
     backend.close()
     return 0
@@ -594,20 +585,6 @@ class Cell:
     @property
     def busbw(self) -> float:
         return self.algbw * 2 * (self.workers - 1) / self.workers
-
-
-def free_ports(count: int) -> List[int]:
-    """``count`` distinct ports that were free a moment ago (bound to port 0 together)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def profiled(argv: List[str], prefix: str) -> List[str]:
@@ -648,7 +625,7 @@ def _probe_mpi_python(python: str) -> Tuple[Optional[Tuple[str, str]], str]:
             timeout=MPI_PROBE_TIMEOUT_S,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, _describe(e, 120)
+        return None, describe(e, 120)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
         return None, lines[-1][:120]
@@ -683,7 +660,7 @@ def find_mpi(requested_python: Optional[str]) -> Tuple[Optional[MpiSetup], str]:
             timeout=MPI_PROBE_TIMEOUT_S,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{mpirun} --version: {_describe(e, 120)}"
+        return None, f"{mpirun} --version: {describe(e, 120)}"
     match = _OPEN_MPI_VERSION.search(done.stdout + done.stderr)
     if not match:
         return None, f"{mpirun} is not Open MPI's"
@@ -743,115 +720,6 @@ def worker_commands(
     ]
 
 
-@dataclass(frozen=True)
-class Descendant:
-    pid: int
-    pgid: int
-    start: str  # start time in clock ticks since boot: tells a reused pid apart
-
-    def alive(self) -> bool:
-        fields = _proc_stat(self.pid)
-        return fields is not None and fields[19] == self.start and fields[0] not in ("Z", "X")
-
-
-def _proc_stat(pid: int) -> Optional[List[str]]:
-    """Fields 3.. of /proc/PID/stat (state, ppid, pgrp, ..., field 22 start time at index 19), or None."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()  # the command name, in parentheses, may hold spaces
-    return fields if len(fields) > 19 else None
-
-
-def descendants(pid: int) -> List[Descendant]:
-    """Every process below ``pid`` (children, their children, ...), from /proc; empty where there is none."""
-    children: Dict[int, List[int]] = collections.defaultdict(list)
-    stats: Dict[int, List[str]] = {}
-    try:
-        entries = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
-    except OSError:
-        return []
-    for entry in entries:
-        fields = _proc_stat(entry)
-        if fields is not None:
-            stats[entry] = fields
-            children[int(fields[1])].append(entry)
-    found, todo = [], list(children[pid])
-    while todo:
-        child = todo.pop()
-        found.append(Descendant(child, int(stats[child][2]), stats[child][19]))
-        todo += children[child]
-    return found
-
-
-def stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM each process group by pid and every descendant outside it (``mpirun`` puts each rank in a
-    process group of its own), then SIGKILL what is left after a grace period."""
-    strays = [d for p in procs if p.poll() is None for d in descendants(p.pid) if d.pgid != p.pid]
-    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-        alive = [p for p in procs if p.poll() is None]
-        strays = [d for d in strays if d.alive()]
-        for p in alive:
-            try:
-                os.killpg(p.pid, sig)  # each child leads its own session, so pgid == pid
-            except ProcessLookupError:
-                pass
-        for d in strays:
-            try:
-                os.kill(d.pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace
-        for p in alive:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        while any(d.alive() for d in strays) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
-def _read_report(results: Path) -> Optional[dict]:
-    try:
-        return json.loads(results.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def wait_all(procs: Sequence[subprocess.Popen], timeout: float, results: Path, cell_timeout: float) -> Optional[str]:
-    """Waits for all processes; returns why the run failed (a non-zero exit, the run's timeout, or one
-    size running longer than ``cell_timeout``, seen in rank 0's ``current``), or None."""
-    started = time.monotonic()
-    deadline = started + timeout
-    current: Optional[str] = None
-    current_since = started
-    next_check = started
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            return f"process {failed[0][0]} exited with code {failed[0][1]}"
-        if all(c == 0 for c in codes):
-            return None
-        now = time.monotonic()
-        if now >= next_check:
-            next_check = now + 0.5
-            report = _read_report(results)
-            running = report.get("current") if report else None
-            if running != current:
-                current, current_since = running, now
-            elif current is not None and now - current_since > cell_timeout:
-                return f"{format_size(int(current))} timed out after {cell_timeout:g} s"
-        time.sleep(0.1)
-    return f"timed out after {timeout:g} s"
-
-
-def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    text = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join("    " + line for line in text[-lines:])
-
-
 def run_one(
     framework: str,
     workers: int,
@@ -876,25 +744,17 @@ def run_one(
         procs: List[subprocess.Popen] = []
         started = time.monotonic()
         try:
-            with open(log, "wb") as out:
-                commands = worker_commands(framework, workers, worker_args, profile_prefix, args.tls, args.mpi)
-                for argv, env in commands:
-                    procs.append(
-                        subprocess.Popen(
-                            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )  # fmt: skip
-                failure = wait_all(procs, args.timeout, results, args.cell_timeout)
+            launch(worker_commands(framework, workers, worker_args, profile_prefix, args.tls, args.mpi), log, procs)
+            failure = wait_all(procs, args.timeout, results, args.cell_timeout)
         finally:
             stop(procs)
-        report = _read_report(results) or {}
+        report = read_report(results) or {}
         elapsed = time.monotonic() - started
         status = "ok" if failure is None else f"FAILED: {failure}"
         label = f"{framework} (under py-spy)" if profile_prefix else framework
         print(f"  {label:<7} N={workers}: {elapsed:.1f} s, {status}", file=sys.stderr, flush=True)
         if failure is not None or report.get("errors"):
-            print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
+            print(f"  last lines of its output:\n{log_tail(log)}", file=sys.stderr, flush=True)
         if profile_prefix:
             _name_profiles_by_rank(Path(tmp), profile_prefix)
     cells = []
@@ -1173,33 +1033,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _raise_interrupt(signum: int, _frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.sizes, args.repeats, args.warmup, args.results, args.fixed_repeats)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the workers
     frameworks = available_frameworks(args.frameworks, args)
     print(method_line(args))
     cells: List[Cell] = []
-    try:
+
+    def body() -> None:
         for workers in args.workers:
             run_cells = [c for fw in frameworks for c in run_one(fw, workers, args)]
-            cells += run_cells
+            cells.extend(run_cells)
             print_table(workers, run_cells, frameworks, args.sizes)
             sys.stdout.flush()
         if args.profile:
             run_profiles(args, frameworks)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
+
+    def save() -> None:
         if args.json and cells:
             write_json(args.json, args, cells)
-    return 0
+
+    return run_benchmark(body, save)
 
 
 if __name__ == "__main__":

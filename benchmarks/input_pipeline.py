@@ -69,7 +69,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -83,7 +82,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import RUN_TIMEOUT_S, _describe, _log_tail, _raise_interrupt, _write_json  # noqa: E402
+from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, write_json_atomically  # noqa: E402
 from setups import make_strategy, run_processes, setup_commands, thread_env  # noqa: E402  (the processes of one setup)
 
 SETUPS = ("ours", "tf", "single")
@@ -253,8 +252,8 @@ def worker_main(args: argparse.Namespace) -> int:
         report.update(timer.report(args.warmup_epochs))
     except Exception as e:
         traceback.print_exc()
-        report["error"] = _describe(e)
-    _write_json(args.results / f"rank{rank}.json", report)
+        report["error"] = describe(e)
+    write_json_atomically(args.results / f"rank{rank}.json", report)
     if args.worker == "ours":
         from elasticdl_strategy import runtime
 
@@ -413,7 +412,7 @@ def run_round(setup: str, args: argparse.Namespace, result: SetupResult) -> None
         print(f"  {setup:<6}: {took}, {status}", file=sys.stderr, flush=True)
         errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
         if failure is not None or errors:
-            print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
+            print(f"  last lines of its output:\n{log_tail(log)}", file=sys.stderr, flush=True)
             result.errors.append(failure or "; ".join(errors))
             return
     result.epoch_s += reports[0]["epoch_s"]
@@ -614,25 +613,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the workers
     directory = ensure_data(args)
     info = json.loads((directory / "DONE").read_text())
     args.pattern = file_pattern(directory)
     lines = method_lines(args, info)
     print("\n".join(lines), flush=True)
     results = [SetupResult(setup) for setup in args.setups]
-    try:
+
+    def body() -> None:
         for index in range(args.rounds):  # the order turns each round: load that drifts hits every setup
             for result in results[index % len(results) :] + results[: index % len(results)]:
                 run_round(result.setup, args, result)
         print_report(results, args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
+
+    def save() -> None:
         if args.json:
             write_json(args.json, args, lines, results)
-    return 0
+
+    return run_benchmark(body, save)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import _log_tail, _raise_interrupt  # noqa: E402  (shared benchmark helpers)
+from _common import log_tail, run_benchmark  # noqa: E402
 from train_step import INPUT_SHAPES, NUM_CLASSES, build_model  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -411,7 +411,7 @@ def run_repeat(index: int, args: argparse.Namespace) -> Repeat:
         status = "ok" if repeat.error is None else f"FAILED: {repeat.error}"
         print(f"  repeat {index}: {time.monotonic() - started:.1f} s, {status}", file=sys.stderr, flush=True)
         if repeat.error:
-            print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
+            print(f"  last lines of its output:\n{log_tail(log)}", file=sys.stderr, flush=True)
     return repeat
 
 
@@ -521,25 +521,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the job
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     print(method_line(args, None), flush=True)
     repeats: List[Repeat] = []
-    try:
+
+    def body() -> None:
         for index in range(args.repeats):
             repeats.append(run_repeat(index, args))
         params = next((r.params for r in repeats if r.params), None)
         if params:
             print(f"model: {params:,} parameters ({4 * params / (1 << 20):.1f} MiB float32)")
         print_report(repeats, args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
+
+    def save() -> None:
         if args.json and repeats:
             write_json(args.json, args, repeats)
-    return 0
+
+    return run_benchmark(body, save)
 
 
 if __name__ == "__main__":

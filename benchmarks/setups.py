@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import free_ports, stop, wait_all  # noqa: E402  (the process handling of the all-reduce benchmark)
+from _common import free_ports, launch, stop, wait_all  # noqa: E402
 
 KINDS = ("single", "tf", "ours")
 Command = Tuple[List[str], Dict[str, str]]
@@ -70,15 +70,8 @@ def run_processes(commands: Sequence[Command], log: Path, results: Path, timeout
     workers write (read for a ``current`` step that runs longer than ``timeout``: see ``wait_all``)."""
     procs: List[subprocess.Popen] = []
     try:
-        with open(log, "wb") as out:
-            for argv, env in commands:
-                procs.append(
-                    subprocess.Popen(
-                        argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )  # fmt: skip
-            return wait_all(procs, timeout, results, timeout)
+        launch(commands, log, procs)
+        return wait_all(procs, timeout, results, timeout)
     finally:
         stop(procs)
 

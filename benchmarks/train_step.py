@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -65,7 +64,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import RUN_TIMEOUT_S, _describe, _log_tail, _raise_interrupt, _write_json  # noqa: E402
+from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, write_json_atomically  # noqa: E402
 from setups import Command, make_strategy, run_processes, setup_commands  # noqa: E402  (the processes of one setup)
 
 MIB = 1 << 20
@@ -363,9 +362,9 @@ def worker_main(args: argparse.Namespace) -> int:
             report["models"][name] = measure_model(args.worker, name, strategy, args)
         except Exception as e:  # record the model and go on with the next one
             traceback.print_exc()
-            report["errors"][name] = _describe(e)
+            report["errors"][name] = describe(e)
         if rank == 0:
-            _write_json(args.results, report)
+            write_json_atomically(args.results, report)
     if args.worker in OURS:
         from elasticdl_strategy import runtime
 
@@ -417,7 +416,7 @@ def run_setup(framework: str, args: argparse.Namespace) -> List[Result]:
         status = "ok" if failure is None else f"FAILED: {failure}"
         print(f"  {framework:<6}: {time.monotonic() - started:.1f} s, {status}", file=sys.stderr, flush=True)
         if failure is not None or report["errors"]:
-            print(f"  last lines of its output:\n{_log_tail(log)}", file=sys.stderr, flush=True)
+            print(f"  last lines of its output:\n{log_tail(log)}", file=sys.stderr, flush=True)
     return [
         Result(
             framework,
@@ -557,20 +556,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so that `finally` stops the workers
     print(method_line(args), flush=True)
     results: List[Result] = []
-    try:
-        results = [r for fw in args.frameworks for r in run_setup(fw, args)]
+
+    def body() -> None:
+        results.extend(r for fw in args.frameworks for r in run_setup(fw, args))
         for name in args.models:
             print_model(name, [r for r in results if r.model == name], args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
+
+    def save() -> None:
         if args.json and results:
             write_json(args.json, args, results)
-    return 0
+
+    return run_benchmark(body, save)
 
 
 if __name__ == "__main__":
