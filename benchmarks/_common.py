@@ -184,14 +184,18 @@ def raise_interrupt(signum: int, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def sigterm_interrupts() -> None:
+    """From now on SIGTERM raises KeyboardInterrupt, so that ``finally`` blocks stop the workers and
+    clean up; call it first in a benchmark's ``main`` (before data generation and probes too)."""
+    signal.signal(signal.SIGTERM, raise_interrupt)
+
+
 def run_benchmark(body: Callable[[], None], save: Callable[[], None]) -> int:
-    """Runs a benchmark's ``body`` with SIGTERM raising KeyboardInterrupt (so that the ``finally``
-    blocks inside stop the workers), then ``save`` (the JSON results) whatever happened.
+    """Runs a benchmark's ``body``, then ``save`` (the JSON results) whatever happened.
 
     Returns:
-        the exit status: 0, or 130 when interrupted.
+        the exit status: 0, or 130 when interrupted (SIGINT, or SIGTERM after :func:`sigterm_interrupts`).
     """
-    signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         body()
     except KeyboardInterrupt:

@@ -127,6 +127,7 @@ from _common import (  # noqa: E402
     log_tail,
     read_report,
     run_benchmark,
+    sigterm_interrupts,
     stop,
     wait_all,
     write_json_atomically,
@@ -1037,6 +1038,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.sizes, args.repeats, args.warmup, args.results, args.fixed_repeats)
+    sigterm_interrupts()
     frameworks = available_frameworks(args.frameworks, args)
     print(method_line(args))
     cells: List[Cell] = []

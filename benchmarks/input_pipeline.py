@@ -82,7 +82,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, write_json_atomically  # noqa: E402
+from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, sigterm_interrupts, write_json_atomically  # noqa: E402
 from setups import make_strategy, run_processes, setup_commands, thread_env  # noqa: E402  (the processes of one setup)
 
 SETUPS = ("ours", "tf", "single")
@@ -613,6 +613,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    sigterm_interrupts()
     directory = ensure_data(args)
     info = json.loads((directory / "DONE").read_text())
     args.pattern = file_pattern(directory)

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import log_tail, run_benchmark  # noqa: E402
+from _common import log_tail, run_benchmark, sigterm_interrupts  # noqa: E402
 from train_step import INPUT_SHAPES, NUM_CLASSES, build_model  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -521,6 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    sigterm_interrupts()
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     print(method_line(args, None), flush=True)

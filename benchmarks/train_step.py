@@ -64,7 +64,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, write_json_atomically  # noqa: E402
+from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, sigterm_interrupts, write_json_atomically  # noqa: E402
 from setups import Command, make_strategy, run_processes, setup_commands  # noqa: E402  (the processes of one setup)
 
 MIB = 1 << 20
@@ -556,6 +556,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    sigterm_interrupts()
     print(method_line(args), flush=True)
     results: List[Result] = []
 

@@ -3,7 +3,7 @@
 :class:`PointToPoint` owns one outbound ``Transfer`` stream per peer (opened on
 first use) and the :class:`~elasticdl_strategy.collective.mailbox.Mailbox`
 that matches incoming messages to receives. It is the layer the collectives
-are built on, and is exposed to users as ``collective.send`` / ``recv`` /
+are built on, and is exposed to users as ``runtime.send`` / ``recv`` /
 ``isend`` / ``irecv``.
 """
 
@@ -57,7 +57,7 @@ class Request:
 
     Example::
 
-        req = collective.irecv(src=0, tag=7)
+        req = runtime.irecv(src=0, tag=7)
         ...                      # overlap other work
         array = req.wait(timeout=10)
     """

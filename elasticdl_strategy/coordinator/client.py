@@ -163,7 +163,7 @@ class CoordinatorClient:
             except grpc.RpcError as e:
                 if not retryable(e):
                     raise RendezvousError(f"worker {self.worker_id}: GetMembership failed: {e.details()}") from None
-                time.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))
+                time.sleep(min(next(pauses), max(0.0, deadline - time.monotonic())))  # the deadline may move
             if time.monotonic() >= deadline:
                 if last is None:
                     raise RendezvousTimeoutError(
@@ -248,7 +248,7 @@ class CoordinatorClient:
                 if not retryable(e):
                     raise
                 reason = f"the coordinator at {self.address} is unreachable ({e.code().name})"
-                deadline.pause(min(next(pauses), deadline.remaining()))
+                deadline.pause_at_most(next(pauses))
                 continue
             if response.recorded or response.membership_version > membership_version:
                 return response

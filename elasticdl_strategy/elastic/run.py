@@ -120,7 +120,7 @@ def classify(error: Exception, worker) -> Decision:
     their causes and the communicator's own record of its failure are consulted.
     """
     if isinstance(error, WorkerLeft):
-        return Decision(Action.LEAVE, str(error))
+        return Decision(Action.LEAVE, str(error) or "left the job gracefully")
     if isinstance(error, JobFinished):  # evicted (say, after hanging) while the others finished without it
         return Decision(Action.LEAVE, "the job finished without this worker; exiting")
     if isinstance(error, MembershipChangedInterrupt):

@@ -16,7 +16,7 @@ import numpy as np
 def describe(variables: Iterable) -> str:
     """What must match on every worker: each variable's path (or name), shape and dtype."""
     return "|".join(
-        f"{getattr(v, 'path', None) or v.name}:{tuple(v.shape)}:{getattr(v.dtype, 'name', v.dtype)}" for v in variables
+        f"{getattr(v, 'path', None) or v.name}:{v.shape}:{getattr(v.dtype, 'name', v.dtype)}" for v in variables
     )
 
 

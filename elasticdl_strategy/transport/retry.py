@@ -59,6 +59,10 @@ class Deadline:
     def expired(self) -> bool:
         return self._clock() >= self.at
 
+    def pause_at_most(self, seconds: float) -> None:
+        """Sleeps ``seconds``, or until the deadline if that comes first."""
+        self._sleep(min(seconds, self.remaining()))
+
     def pause(self, seconds: float) -> bool:
         """Sleeps ``seconds`` before the next attempt; ``False`` (without sleeping) if that would pass the deadline."""
         if self._clock() + seconds > self.at:

@@ -16,6 +16,8 @@ def test_the_description_names_path_shape_and_dtype_of_tf_and_keras_variables():
     keras_variable = keras.Variable(np.zeros(4), dtype="float64", name="k")
     assert describe([tf_variable]) == "w:0:(2, 3):float32"
     assert describe([keras_variable]) == "k:(4,):float64"
+    unknown_rank = tf.Variable(np.zeros(3), shape=tf.TensorShape(None), name="u")
+    assert describe([unknown_rank]) == "u:0:<unknown>:float64"
 
 
 def test_every_rank_names_the_ranks_whose_variables_differ_from_the_root():

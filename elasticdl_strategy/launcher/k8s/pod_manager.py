@@ -118,6 +118,14 @@ def parse_index_ranges(text: str) -> Set[int]:
     return indices
 
 
+def _worker_index(obj: Any) -> Optional[int]:
+    """The worker index in a pod's labels, or None if it has none (not one of our worker pods)."""
+    try:
+        return int((obj.metadata.labels or {}).get(manifests.WORKER_ID_LABEL, ""))
+    except ValueError:
+        return None
+
+
 # A pod's phase only moves forward; an event that would move it back arrived late.
 _PHASE_ORDER = {"Pending": 0, "Running": 1, "Unknown": 1, "Succeeded": 2, "Failed": 2}
 
@@ -198,10 +206,11 @@ class PodManager:
             self.config.namespace, label_selector=manifests.selector(self.config, "worker")
         )
         for item in existing.items:
-            if int(item.metadata.labels[manifests.WORKER_ID_LABEL]) in self.settled:
-                self.pods[item.metadata.name] = WorkerPod(
-                    int(item.metadata.labels[manifests.WORKER_ID_LABEL]), item.metadata.name, handled=True
-                )
+            index = _worker_index(item)
+            if index is None:
+                continue  # not one of ours
+            if index in self.settled:
+                self.pods[item.metadata.name] = WorkerPod(index, item.metadata.name, handled=True)
             self.apply("ADDED", item)
         if self.pods:
             self.next_index = 1 + max(p.index for p in self.pods.values())
@@ -228,12 +237,10 @@ class PodManager:
     def apply(self, kind: str, obj: Any) -> None:
         """Applies one watch event (``ADDED``/``MODIFIED``/``DELETED``) of a worker pod; idempotent."""
         name = obj.metadata.name
-        labels = obj.metadata.labels or {}
         pod = self.pods.get(name)
         if pod is None:
-            try:
-                index = int(labels.get(manifests.WORKER_ID_LABEL, ""))
-            except ValueError:
+            index = _worker_index(obj)
+            if index is None:
                 return  # not one of ours
             pod = self.pods[name] = WorkerPod(index, name)
         if _is_stale(pod, kind, obj):

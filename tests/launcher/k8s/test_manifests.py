@@ -3,14 +3,17 @@
 import base64
 import dataclasses
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from elasticdl_strategy.errors import ConfigError
+from elasticdl_strategy.launcher.arguments import split_command
 from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
 from tests.launcher.k8s.flags import submit_flags
@@ -179,6 +182,24 @@ def test_the_rendered_example_in_examples_k8s_validates():
         assert {d["kind"] for d in documents} >= {"Pod", "Secret", "Service", "Role", "RoleBinding", "ServiceAccount"}
         for document in documents:
             kubernetes_validate.validate(document, VERSIONS[-1], strict=True)
+
+
+def test_the_example_in_examples_k8s_is_what_k8s_manifest_renders_today():
+    from tests.launch import REPO_ROOT
+
+    path = Path(REPO_ROOT, "examples", "k8s", "mnist.yaml")
+    flags = shlex.split(" ".join(line.lstrip("#").strip().rstrip("\\") for line in path.read_text().splitlines()[:3]))
+    assert flags[:3] == ["Rendered", "by:", "elasticdl-strategy"], flags[:3]
+    options, command = split_command(flags[5:])  # after "elasticdl-strategy k8s manifest"
+    from elasticdl_strategy.launcher.k8s import cli
+
+    config, _ = cli._config(cli._job_parser("manifest"), [*options, "--", *command])
+    rendered = list(yaml.safe_load_all(manifests.render_yaml(config, token="x")))
+    example = list(yaml.safe_load_all(path.read_text()))
+    for document in rendered + example:
+        if document["kind"] == "Secret":
+            document["data"] = {}  # the example's token is left empty on purpose
+    assert example == rendered
 
 
 def master_config(config):

@@ -292,3 +292,17 @@ def test_a_restarted_master_reads_back_the_settled_pods_and_the_failure_count():
     again = PodManager(api, m.config, {"name": "job-master", "uid": "u"}, "10.0.0.1:50051", clock=clock)
     again._read_previous_status()
     assert again.settled == {1} and again.failures == m.failures and again.earlier_failures == 0
+
+
+def test_a_restarted_master_skips_pods_without_a_worker_index_when_it_adopts_the_job():
+    m, api, clock = manager(workers=2, max_restarts=0)
+    m.apply("MODIFIED", pod("job-worker-1", "2", "Failed", exit_code=3))
+    api.status = m.status()
+    stranger = pod("job-worker-9", "3", "Running")
+    stranger.metadata.labels = {"app.kubernetes.io/instance": "job"}  # matches the selector, no worker id
+    listed = [pod("job-worker-0", "4", "Running"), pod("job-worker-1", "5", "Failed", exit_code=3), stranger]
+    api.list_namespaced_pod = lambda *a, **k: V1PodList(items=listed, metadata=V1ListMeta(resource_version="5"))
+    again = PodManager(api, m.config, {"name": "job-master", "uid": "u"}, "10.0.0.1:50051", clock=clock)
+    again.start()
+    assert sorted(again.pods) == ["job-worker-0", "job-worker-1"] and again.pods["job-worker-1"].handled
+    assert api.created.count("job-worker-2") == 0  # adopted, nothing created
