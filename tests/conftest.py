@@ -5,9 +5,11 @@ import pytest
 
 from elasticdl_strategy import runtime
 from elasticdl_strategy.transport.options import TLSConfig
+from tests import interrupts
 
 
 def pytest_configure(config):
+    interrupts.install()
     config.addinivalue_line("markers", "slow: takes several seconds (multi-process jobs, 64 MiB tensors)")
 
 

@@ -84,15 +84,6 @@ def test_sigkill_one_of_three_at_a_random_step(tmp_path):
     assert all(r["resets"] == [3, 2] for r in found.values())
 
 
-def test_two_failures_in_a_row(tmp_path):
-    step = random_step()
-    job = launch(tmp_path, 4, {"kill": {"rank:1": step, "rank:2": step + 3}}, ["--min-workers", "2"])
-    code, out, err = finish(job)
-    assert code == 0, err[-3000:]
-    assert len(dead(tmp_path)) == 2
-    assert_exactly_once_and_identical(reports(tmp_path), 2)
-
-
 def test_worker_killed_while_the_state_is_synced(tmp_path):
     # worker-1 dies; worker-2 dies at the start of the sync that follows (its second sync).
     config = {"kill": {"rank:3": random_step()}, "kill_in_sync": {"rank:1": 2}}
@@ -125,15 +116,6 @@ def test_standby_takes_the_place_of_a_failed_worker(tmp_path):
     assert_exactly_once_and_identical(found, 2)
     assert all(r["size"] == 2 for r in found.values())
     assert len(dead(tmp_path)) == 1 and dead(tmp_path)[0] not in found
-
-
-def test_sigterm_leaves_gracefully_without_rollback(tmp_path):
-    job = launch(tmp_path, 3, {"term": {"rank:1": random_step()}}, ["--min-workers", "2"])
-    code, out, err = finish(job)
-    assert code == 0, err[-3000:]
-    assert "left the job gracefully" in out + err
-    assert "rolling back" not in out + err
-    assert_exactly_once_and_identical(reports(tmp_path), 2)
 
 
 def test_below_min_workers_training_waits_then_fails_clearly(tmp_path):
