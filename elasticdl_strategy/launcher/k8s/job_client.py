@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
-from typing import Callable, Dict, List, Optional
+import os
+from typing import List, Optional
 
 from elasticdl_strategy.errors import ConfigError, KubernetesError
 from elasticdl_strategy.launcher.k8s import manifests
@@ -21,18 +24,34 @@ def _explain(error, verb: str, what: str, namespace: str) -> KubernetesError:
     except ValueError:
         detail = ""
     detail = detail or getattr(error, "reason", "") or str(error)
+    where = f" in namespace {namespace!r}" if namespace else ""
     if status == 403:
         return KubernetesError(
-            f"not allowed to {verb} {what} in namespace {namespace!r}: {detail}. Your Kubernetes user needs "
+            f"not allowed to {verb} {what}{where}: {detail}. Your Kubernetes user needs "
             f"that permission (`kubectl auth can-i {verb} {what.split()[0]} -n {namespace}`)"
         )
     if status == 401:
         return KubernetesError(f"the Kubernetes API rejected the credentials: {detail} (check your kubeconfig)")
-    return KubernetesError(f"could not {verb} {what} in namespace {namespace!r}: {status} {detail}")
+    return KubernetesError(f"could not {verb} {what}{where}: {status} {detail}")
+
+
+def _discovery_cache_file(host: str) -> Optional[str]:
+    """Where the dynamic client caches the cluster's API discovery: a directory only this user can
+    write, like kubectl's ``~/.kube/cache`` (the library's default is a shared temporary directory)."""
+    directory = os.path.join(os.path.expanduser("~"), ".kube", "cache", "elasticdl-strategy")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError:
+        return None  # the library's default
+    return os.path.join(directory, f"discovery-{hashlib.sha256(host.encode()).hexdigest()[:16]}.json")
 
 
 class JobClient:
     """Submits and controls jobs through a ``kubernetes.client.ApiClient``.
+
+    The job's objects are created, patched, listed and deleted through the
+    client's ``DynamicClient`` (one code path for every kind, found by
+    discovery); status and logs use the typed core API.
 
     Example::
 
@@ -44,32 +63,28 @@ class JobClient:
     def __init__(self, api_client):
         from kubernetes import client
 
+        self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
-        self.rbac = client.RbacAuthorizationV1Api(api_client)
+
+    @functools.cached_property
+    def _dynamic(self):
+        from kubernetes.client.exceptions import ApiException
+        from kubernetes.dynamic import DynamicClient
+
+        try:
+            return DynamicClient(self.api_client, cache_file=_discovery_cache_file(self.api_client.configuration.host))
+        except ApiException as e:
+            raise _explain(e, "discover", "the API's resources", "") from None
+
+    def _resource(self, api_version: str, kind: str):
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        try:
+            return self._dynamic.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError:
+            raise KubernetesError(f"the cluster does not serve {kind} in {api_version}") from None
 
     # ---- submit -----------------------------------------------------------------------------
-
-    def _creators(self) -> Dict[str, Callable]:
-        return {
-            "ServiceAccount": self.core.create_namespaced_service_account,
-            "Role": self.rbac.create_namespaced_role,
-            "RoleBinding": self.rbac.create_namespaced_role_binding,
-            "Secret": self.core.create_namespaced_secret,
-            "ConfigMap": self.core.create_namespaced_config_map,
-            "Service": self.core.create_namespaced_service,
-            "Pod": self.core.create_namespaced_pod,
-        }
-
-    def _deleters(self) -> Dict[str, Callable]:
-        return {
-            "ServiceAccount": self.core.delete_namespaced_service_account,
-            "Role": self.rbac.delete_namespaced_role,
-            "RoleBinding": self.rbac.delete_namespaced_role_binding,
-            "Secret": self.core.delete_namespaced_secret,
-            "ConfigMap": self.core.delete_namespaced_config_map,
-            "Service": self.core.delete_namespaced_service,
-            "Pod": self.core.delete_namespaced_pod,
-        }
 
     def check_namespace(self, namespace: str) -> None:
         """Raises ConfigError when ``namespace`` does not exist (unknown if reading namespaces is forbidden)."""
@@ -101,7 +116,7 @@ class JobClient:
             for obj in objects:
                 kind, name = obj["kind"], obj["metadata"]["name"]
                 try:
-                    result = self._creators()[kind](config.namespace, obj)
+                    result = self._resource(obj["apiVersion"], kind).create(body=obj, namespace=config.namespace)
                 except ApiException as e:
                     if e.status == 409:
                         raise ConfigError(
@@ -118,34 +133,31 @@ class JobClient:
 
     def _adopt(self, config: K8sJobConfig, master_uid: str, objects: List[dict]) -> None:
         """Makes the master pod own the job's other objects, so that deleting it removes the job."""
-        owner = {"ownerReferences": [manifests.owner_reference({"name": config.master_name, "uid": master_uid})]}
-        patchers = {
-            "ServiceAccount": self.core.patch_namespaced_service_account,
-            "Role": self.rbac.patch_namespaced_role,
-            "RoleBinding": self.rbac.patch_namespaced_role_binding,
-            "Secret": self.core.patch_namespaced_secret,
-            "ConfigMap": self.core.patch_namespaced_config_map,
-            "Service": self.core.patch_namespaced_service,
-        }
         from kubernetes.client.exceptions import ApiException
 
+        owner = {"ownerReferences": [manifests.owner_reference({"name": config.master_name, "uid": master_uid})]}
         for obj in objects:
+            kind, name = obj["kind"], obj["metadata"]["name"]
             try:
-                patchers[obj["kind"]](obj["metadata"]["name"], config.namespace, {"metadata": owner})
+                self._resource(obj["apiVersion"], kind).patch(
+                    name=name,
+                    namespace=config.namespace,
+                    body={"metadata": owner},
+                    content_type="application/merge-patch+json",
+                )
             except ApiException as e:
-                raise _explain(
-                    e, "patch", f"{obj['kind'].lower()}s {obj['metadata']['name']}", config.namespace
-                ) from None
+                raise _explain(e, "patch", f"{kind.lower()}s {name}", config.namespace) from None
 
     def _delete_objects(self, namespace: str, objects) -> None:
         from kubernetes.client.exceptions import ApiException
 
         for obj in objects:
+            kind, name = obj["kind"], obj["metadata"]["name"]
             try:
-                self._deleters()[obj["kind"]](obj["metadata"]["name"], namespace)
+                self._resource(obj["apiVersion"], kind).delete(name=name, namespace=namespace)
             except ApiException as e:
                 if e.status != 404:
-                    logger.warning("could not delete %s %s: %s", obj["kind"], obj["metadata"]["name"], e.reason)
+                    logger.warning("could not delete %s %s: %s", kind, name, e.reason)
 
     # ---- control ----------------------------------------------------------------------------
 
@@ -201,28 +213,23 @@ class JobClient:
             raise _explain(e, "get", "pods/log", namespace) from None
 
     def delete(self, name: str, namespace: str) -> int:
-        """Deletes every object of the job; returns how many were deleted (0: no such job)."""
+        """Deletes every object of the job, pods first; returns how many it had (0: no such job).
+
+        All are listed before any is deleted: deleting the master pod makes the cluster's
+        garbage collector remove the objects it owns, perhaps before they would be listed.
+        """
         from kubernetes.client.exceptions import ApiException
 
         selector = f"{manifests.INSTANCE_LABEL}={name},{manifests.NAME_LABEL}={manifests.APP}"
-        listers = {
-            "Pod": self.core.list_namespaced_pod,
-            "Service": self.core.list_namespaced_service,
-            "Secret": self.core.list_namespaced_secret,
-            "ConfigMap": self.core.list_namespaced_config_map,
-            "RoleBinding": self.rbac.list_namespaced_role_binding,
-            "Role": self.rbac.list_namespaced_role,
-            "ServiceAccount": self.core.list_namespaced_service_account,
-        }
-        deleted = 0
-        for kind, lister in listers.items():
+        objects = []
+        for api_version, kind in reversed(manifests.JOB_KINDS):
             try:
-                items = lister(namespace, label_selector=selector).items
+                items = self._resource(api_version, kind).get(namespace=namespace, label_selector=selector).items
             except ApiException as e:
                 raise _explain(e, "list", f"{kind.lower()}s", namespace) from None
-            self._delete_objects(namespace, [{"kind": kind, "metadata": {"name": i.metadata.name}} for i in items])
-            deleted += len(items)
-        return deleted
+            objects += [{"apiVersion": api_version, "kind": kind, "metadata": {"name": i.metadata.name}} for i in items]
+        self._delete_objects(namespace, objects)
+        return len(objects)
 
 
 def format_status(status: dict) -> str:

@@ -93,7 +93,7 @@ def service_account(config: K8sJobConfig) -> Manifest:
 def role(config: K8sJobConfig) -> Manifest:
     """Least privilege for the master: its worker pods and its status ConfigMap."""
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "apiVersion": RBAC_V1,
         "kind": "Role",
         "metadata": _metadata(config, config.master_name, "master"),
         "rules": [
@@ -110,7 +110,7 @@ def role(config: K8sJobConfig) -> Manifest:
 
 def role_binding(config: K8sJobConfig) -> Manifest:
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "apiVersion": RBAC_V1,
         "kind": "RoleBinding",
         "metadata": _metadata(config, config.master_name, "master"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": config.master_name},
@@ -265,6 +265,19 @@ def owner_reference(owner: Manifest) -> Manifest:
         # True would need update on pods/finalizers where OwnerReferencesPermissionEnforcement is on.
         "blockOwnerDeletion": False,
     }
+
+
+RBAC_V1 = "rbac.authorization.k8s.io/v1"
+# (apiVersion, kind) of the objects of a job, in the order job_objects creates them (worker pods are Pods).
+JOB_KINDS = (
+    ("v1", "ServiceAccount"),
+    (RBAC_V1, "Role"),
+    (RBAC_V1, "RoleBinding"),
+    ("v1", "Secret"),
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("v1", "Pod"),
+)
 
 
 def job_objects(config: K8sJobConfig, token: str) -> List[Manifest]:

@@ -13,7 +13,8 @@ its own loopback IP (127.0.0.2, 127.0.0.3, ...) and its output kept as the pod's
 What is emulated, as a real cluster does it:
 
 * core/v1 pods (with ``/status``, ``/log`` and ``/eviction``), services, secrets, configmaps,
-  serviceaccounts and namespaces; rbac.authorization.k8s.io/v1 roles and rolebindings. Create, get, list
+  serviceaccounts and namespaces; rbac.authorization.k8s.io/v1 roles and rolebindings; the discovery
+  documents that list them (``/api``, ``/api/v1``, ``/apis``, ...), which the dynamic client reads. Create, get, list
   (label and field selectors, ``limit``/``continue``), watch, replace, patch (JSON merge patch, strategic
   merge patch taken as a JSON merge patch, JSON patch), delete and deletecollection, with the server's
   Status errors (NotFound, AlreadyExists, Conflict, Forbidden, Expired, Invalid, Unauthorized).
@@ -184,6 +185,39 @@ RESOURCES: dict[str, ResourceType] = {
     )
 }
 PODS, NAMESPACES = RESOURCES["pods"], RESOURCES["namespaces"]
+_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+
+def _api_group(group: str) -> Obj:
+    """Discovery: an API group with its one version, v1 (``/apis``, ``/apis/GROUP``)."""
+    version = {"groupVersion": f"{group}/v1", "version": "v1"}
+    return {"name": group, "versions": [version], "preferredVersion": version}
+
+
+def _api_resources(group: str) -> Obj:
+    """Discovery: the APIResourceList of ``group``'s v1 (``/api/v1``, ``/apis/GROUP/v1``), subresources included."""
+    resources: list[Obj] = []
+    for rt in RESOURCES.values():
+        if rt.group != group:
+            continue
+        resources.append(
+            {"name": rt.plural, "singularName": rt.kind.lower(), "namespaced": rt.namespaced, "kind": rt.kind,
+             "verbs": _VERBS}
+        )  # fmt: skip
+        if rt.has_status:
+            resources.append(
+                {"name": f"{rt.plural}/status", "singularName": "", "namespaced": rt.namespaced, "kind": rt.kind,
+                 "verbs": ["get", "patch", "update"]}
+            )  # fmt: skip
+    if group == "":
+        resources += [
+            {"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod", "verbs": ["get"]},
+            {"name": "pods/eviction", "singularName": "", "namespaced": True, "group": "policy", "version": "v1",
+             "kind": "Eviction", "verbs": ["create"]},
+        ]  # fmt: skip
+    group_version = f"{group}/v1" if group else "v1"
+    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+
 
 _FIELDS: dict[str, frozenset[str]] = {
     "pods": frozenset(
@@ -1377,11 +1411,16 @@ class KubeEmulator:
         """The current global resourceVersion."""
         return str(self.store.rv)
 
+    def objects(self, plural: str, namespace: str | None = "default", label_selector: str | None = None) -> list[Obj]:
+        """The objects (copies) of a resource (``"pods"``, ``"roles"``, ...) in ``namespace`` (None: all),
+        in (namespace, name) order."""
+        labels = parse_label_selector(label_selector)
+        selected = self.store.select(plural, namespace, lambda o: labels(o["metadata"].get("labels") or {}))
+        return [copy.deepcopy(obj) for _, obj in selected]
+
     def pods(self, namespace: str | None = "default", label_selector: str | None = None) -> list[Obj]:
         """The pods (copies) in ``namespace`` (None: all), in (namespace, name) order."""
-        labels = parse_label_selector(label_selector)
-        selected = self.store.select("pods", namespace, lambda o: labels(o["metadata"].get("labels") or {}))
-        return [copy.deepcopy(obj) for _, obj in selected]
+        return self.objects("pods", namespace, label_selector)
 
     def pod(self, name: str, namespace: str = "default") -> Obj | None:
         """The pod (a copy), or None."""
@@ -1601,6 +1640,12 @@ class KubeEmulator:
             return 200, _VERSION
         if parts == ["api"]:
             return 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
+        if parts == ["apis"] and method == "GET":
+            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [_api_group(RBAC)]}
+        if parts == ["apis", RBAC] and method == "GET":
+            return 200, {"kind": "APIGroup", "apiVersion": "v1", **_api_group(RBAC)}
+        if parts in (["api", "v1"], ["apis", RBAC, "v1"]) and method == "GET":
+            return 200, _api_resources("" if parts[0] == "api" else RBAC)
         if parts[:2] == ["api", "v1"]:
             group, rest = "", parts[2:]
         elif parts[:3] == ["apis", RBAC, "v1"]:

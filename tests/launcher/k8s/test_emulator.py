@@ -465,3 +465,22 @@ def test_close_kills_every_process_and_its_children():
         parent = emu.pod_pid("parent")
         assert parent and alive(parent) and alive(child)
     KubeEmulator.wait_for(lambda: not alive(parent) and not alive(child), 5)
+
+
+def test_discovery_serves_the_dynamic_client(emu):
+    from kubernetes.dynamic import DynamicClient
+
+    with emu.api_client() as api_client:
+        dynamic = DynamicClient(api_client, cache_file=None)
+        roles = dynamic.resources.get(api_version="rbac.authorization.k8s.io/v1", kind="Role")
+        configmaps = dynamic.resources.get(api_version="v1", kind="ConfigMap")
+        assert (roles.namespaced, configmaps.namespaced) == (True, True)
+        assert dynamic.resources.get(api_version="v1", kind="Namespace").namespaced is False
+        assert "status" in dynamic.resources.get(api_version="v1", kind="Pod").subresources
+        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"k": "v"}}
+        configmaps.create(body=body, namespace="default")
+        configmaps.patch(name="c", namespace="default", body={"data": {"k": "w"}},
+                         content_type="application/merge-patch+json")  # fmt: skip
+        assert configmaps.get(name="c", namespace="default").data.k == "w"
+        configmaps.delete(name="c", namespace="default")
+        assert configmaps.get(namespace="default").items == []
