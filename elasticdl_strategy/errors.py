@@ -27,12 +27,13 @@ The hierarchy (``tests/test_errors.py`` checks it against the code)::
     │   ├── CommitAbortedError       a commit was not recorded: the membership changed
     │   └── DataSocketClosed         (internal) a data socket ended; its stream fails or falls back to gRPC
     ├── MembershipChangedInterrupt   (elastic) members join or leave at this commit
-    ├── WorkerLeft               (elastic) this worker's graceful leave was recorded
+    ├── WorkerLeft               (elastic; also SystemExit(0)) no longer a member: its program should end
     ├── KubernetesError          the Kubernetes API refused or failed a request
     └── Refusal                  (internal, coordinator) a request answered with an error status
 
 :func:`elasticdl_strategy.elastic.run` recovers from every CommunicationError
-except CollectiveMismatchError, and handles MembershipChangedInterrupt and WorkerLeft.
+except CollectiveMismatchError, handles MembershipChangedInterrupt, and raises WorkerLeft
+to the script when this worker is no longer a member.
 """
 
 from __future__ import annotations
@@ -167,12 +168,30 @@ class MembershipChangedInterrupt(ElasticDLError):
         self.membership_version = membership_version
 
 
-class WorkerLeft(ElasticDLError):
-    """This worker's graceful leave (SIGTERM) was recorded at a commit: it is no longer a member.
+class WorkerLeft(ElasticDLError, SystemExit):
+    """This worker is no longer a member of the job, and its program should end: its graceful
+    leave (SIGTERM) was recorded at a commit, or the job finished without it (a standby, or a
+    worker evicted while it hung).
 
-    Raised by :meth:`elasticdl_strategy.elastic.State.commit`; :func:`elasticdl_strategy.elastic.run`
-    ends the worker there.
+    Raised to the training script by :func:`elasticdl_strategy.elastic.run` (the worker has
+    already left the job) and :func:`elasticdl_strategy.runtime.init` (a standby); the script
+    decides what to do. It is also a ``SystemExit`` with code 0: left uncaught, it ends the
+    process the way a finished program ends (``finally`` blocks and ``atexit`` handlers run,
+    nothing is printed), and the launchers count a worker that left, not one that failed.
+    PyTorch Lightning's ``SIGTERMException`` is a ``SystemExit`` for the same reason.
+
+    Example::
+
+        try:
+            train(state)  # an elastic.run training function
+        except errors.WorkerLeft as left:
+            print(f"not evaluating: {left}")
+            raise
     """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 0  # SystemExit's exit status when uncaught (else it would be the message)
 
 
 class KubernetesError(ElasticDLError):

@@ -63,3 +63,17 @@ def test_the_tree_reader_sees_nesting():
     assert tree["ElasticDLError"] is None
     assert tree["RendezvousTimeoutError"] == "RendezvousError"
     assert tree["MembershipChangedInterrupt"] == "ElasticDLError"
+
+
+def test_worker_left_uncaught_ends_the_process_with_code_0_and_says_nothing():
+    import subprocess
+    import sys
+
+    from elasticdl_strategy.errors import ElasticDLError, WorkerLeft
+
+    left = WorkerLeft("left the job gracefully at commit #3")
+    assert isinstance(left, ElasticDLError) and isinstance(left, SystemExit)
+    assert (str(left), left.code) == ("left the job gracefully at commit #3", 0)
+    script = "from elasticdl_strategy.errors import WorkerLeft\nraise WorkerLeft('left the job')"
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (ended.returncode, ended.stderr) == (0, "")

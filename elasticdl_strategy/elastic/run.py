@@ -7,10 +7,9 @@ import enum
 import functools
 import logging
 import signal
-import sys
 import threading
 import time
-from typing import Callable, Iterator, List, NoReturn, Optional, TypeVar
+from typing import Callable, Iterator, List, Optional, TypeVar
 
 from elasticdl_strategy import runtime
 from elasticdl_strategy.elastic.state import State
@@ -40,8 +39,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     last commit, sync and call ``func`` again. When workers join or leave at a
     commit, everyone re-forms at that commit without rolling back. On SIGTERM
     this worker commits with the others at the end of the step (see
-    :meth:`State.leave_pending`) and leaves (the process exits with code 0)
-    while the others carry on.
+    :meth:`State.leave_pending`) and leaves while the others carry on: ``run``
+    raises :class:`~elasticdl_strategy.errors.WorkerLeft`, which ends the process
+    with exit code 0 unless the script catches it.
 
     Before every sync — on entry and after every re-formation, on every member,
     newcomers included — the state's reset callbacks run. They run before the
@@ -67,6 +67,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
         train(state)
 
     Raises:
+        WorkerLeft: this worker left the job (asked to by SIGTERM, or the job finished without it);
+            uncaught, it ends the process with exit code 0.
         RendezvousTimeoutError: fewer than ``--min-workers`` remained for longer than the rendezvous timeout.
         CollectiveMismatchError: the workers run different code (never retried).
     """
@@ -89,7 +91,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     if decision.action is Action.RAISE:
                         raise
                     if decision.action is Action.LEAVE:
-                        _exit(decision.reason)
+                        raise _leave(decision.reason) from None
                     reset = _Reset.after(decision, reset, worker)
 
     return wrapper
@@ -200,10 +202,11 @@ def _log_recovered(worker, state: State, reset: _Reset) -> None:
     )
 
 
-def _exit(message: str) -> NoReturn:
-    logger.info("%s", message)
+def _leave(reason: str) -> WorkerLeft:
+    """Leaves the job (which goes on without this worker); returns what to raise to the script."""
+    logger.info("%s", reason)
     runtime.shutdown(finished=False)
-    sys.exit(0)
+    return WorkerLeft(reason)
 
 
 def _where(state: State) -> str:

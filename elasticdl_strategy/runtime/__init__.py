@@ -40,7 +40,7 @@ import numpy as np
 from elasticdl_strategy.collective.communicator import Communicator
 from elasticdl_strategy.collective.p2p import Request
 from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
-from elasticdl_strategy.errors import JobFinished, UsageError
+from elasticdl_strategy.errors import JobFinished, UsageError, WorkerLeft
 from elasticdl_strategy.logs import configure as configure_logging
 from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
 
@@ -86,6 +86,7 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
         ConfigError: the environment is invalid.
         RendezvousError, RendezvousTimeoutError: no membership could be formed in time.
         AuthenticationError: the coordinator rejected the job token.
+        WorkerLeft: this worker was a standby, and the job finished without it (uncaught: exit code 0).
     """
     global _worker
     with _lock:
@@ -93,7 +94,6 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
             return
         env = os.environ if env is None else env
         parsed = WorkerEnvironment.from_env(env)
-        _install_failure_hook()
         if parsed is None:
             configure_logging(lambda: "single worker", env)
             logger.warning(
@@ -107,10 +107,9 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
             try:
                 _worker = Worker.join(parsed)
             except JobFinished as e:
-                logger.warning("%s: this standby exits", e)
-                raise SystemExit(0) from None
-        # Leave cleanly at exit, before the interpreter stops the thread pools gRPC relies on.
-        getattr(threading, "_register_atexit", atexit.register)(lambda: shutdown(finished=_finished_at_exit()))
+                logger.info("%s: this standby leaves", e)
+                raise WorkerLeft(f"{e}: this standby leaves") from None
+        _leave_when_the_program_ends()
 
 
 def _describe_worker(worker_id: str) -> str:
@@ -121,25 +120,29 @@ def _describe_worker(worker_id: str) -> str:
     return f"{worker_id} rank {worker.communicator.rank}/{worker.communicator.size}"
 
 
-_crashed = False
+_leaving_at_exit = False
 
 
-def _finished_at_exit() -> bool:
-    """Whether leaving at exit means the job is done: no uncaught exception, and an elastic
-    training loop (if there was one) that returned rather than exited with ``sys.exit``."""
-    return not _crashed and (_worker is None or _worker.elastic_loop is not ElasticLoop.RUNNING)
+def _leave_when_the_program_ends() -> None:
+    """Registers an ``atexit`` handler that shuts down (so that a script need not call
+    :func:`shutdown`) and says whether the job is finished: it is, unless the program ended
+    with an uncaught exception (which Python records in ``sys.last_value`` before ``atexit``
+    handlers run) or inside an elastic training loop (a ``sys.exit`` from it).
 
+    The exit is not held up by the server's handler threads, still serving peers: they are
+    daemons (:mod:`~elasticdl_strategy.transport.daemon_pool`).
+    """
+    global _leaving_at_exit
+    if _leaving_at_exit:
+        return
+    _leaving_at_exit = True
 
-def _install_failure_hook() -> None:
-    """Remembers an uncaught exception, so that leaving at exit does not mark the job finished."""
-    previous = sys.excepthook
+    def leave() -> None:
+        worker = _worker
+        crashed = getattr(sys, "last_value", None) is not None
+        shutdown(finished=not crashed and (worker is None or worker.elastic_loop is not ElasticLoop.RUNNING))
 
-    def hook(*exc_info):
-        global _crashed
-        _crashed = True
-        previous(*exc_info)
-
-    sys.excepthook = hook
+    atexit.register(leave)
 
 
 def shutdown(finished: bool = True) -> None:

@@ -1,6 +1,7 @@
 """gRPC servers and channels set up the same way everywhere: limits, keepalive, auth, TLS.
 
-Two kinds of server: :func:`start_server` (a thread pool; the worker's ``Peer``
+Two kinds of server: :func:`start_server` (a pool of daemon threads, see
+:mod:`~elasticdl_strategy.transport.daemon_pool`; the worker's ``Peer``
 service, whose streams move bytes in their handler threads) and
 :func:`start_aio_server` (``grpc.aio``, one event loop; the coordinator, whose
 calls mostly wait — long polls, commit barriers — and must cost no thread
@@ -14,13 +15,13 @@ share one connection's bound.
 from __future__ import annotations
 
 import asyncio
-from concurrent import futures
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import grpc
 
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.transport.auth import AioTokenAuthInterceptor, TokenAuthInterceptor
+from elasticdl_strategy.transport.daemon_pool import DaemonThreadPool
 from elasticdl_strategy.transport.limits import AioAddressLimitInterceptor
 from elasticdl_strategy.transport.options import TransportOptions
 
@@ -70,7 +71,7 @@ def start_server(
         ConfigError: the address cannot be bound (e.g. the port is in use).
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="edl-rpc"),
+        DaemonThreadPool(max_workers=max_workers, thread_name_prefix="edl-rpc"),
         handlers=list(handlers),
         interceptors=[TokenAuthInterceptor(token)],
         options=_server_args(options),
