@@ -151,25 +151,25 @@ class Communicator:
             if wire is not None:
                 return self._allreduce_compressed(array, op, ufunc, out, timeout, wire)
         result = self._output_buffer(array, out)
-        step = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
-        with self._running(step):
+        call = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
+        with self._running(call):
             if self.size > 1 and direct.is_small(result.nbytes, self.size):
-                direct.allreduce(step, result.reshape(-1), ufunc)
+                direct.allreduce(call, result.reshape(-1), ufunc)
             elif self.size > 1:
-                ring.allreduce(step, result.reshape(-1), ufunc)
-                step.finish_sends()
+                ring.allreduce(call, result.reshape(-1), ufunc)
+                call.finish_sends()
         if op == "mean":
             np.divide(result, self.size, out=result, casting="unsafe")
         return result
 
     def _allreduce_compressed(self, array, op, ufunc, out, timeout, wire: str) -> np.ndarray:
         result = self._output_buffer(array, out)
-        step = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout, compression=wire)
-        with self._running(step):
+        call = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout, compression=wire)
+        with self._running(call):
             if self.size > 1:
                 send16, recv16 = self._staging.get(result.size, wire_compression.WIRE_DTYPES[wire])
-                ring.allreduce_compressed(step, result.reshape(-1), ufunc, send16, recv16)
-                step.finish_sends()
+                ring.allreduce_compressed(call, result.reshape(-1), ufunc, send16, recv16)
+                call.finish_sends()
         if op == "mean":
             np.divide(result, self.size, out=result, casting="unsafe")
         return result
@@ -180,14 +180,14 @@ class Communicator:
         ufunc = check_reduce_op(op, array.dtype)
         self._check_root(root)
         work = np.array(array, copy=True)
-        step = self._begin("reduce", array.dtype, array.shape, reduce_op=op, root=root, timeout=timeout)
-        with self._running(step):
+        call = self._begin("reduce", array.dtype, array.shape, reduce_op=op, root=root, timeout=timeout)
+        with self._running(call):
             if self.size > 1:
                 flat = work.reshape(-1)
                 bounds = ring.even_bounds(flat.size, self.size)
-                ring.reduce_scatter(step, flat, bounds, ufunc, owned=0)
-                self._gather_segments(step, flat, bounds, root)
-                step.finish_sends()
+                ring.reduce_scatter(call, flat, bounds, ufunc, owned=0)
+                self._gather_segments(call, flat, bounds, root)
+                call.finish_sends()
         if self.rank != root:
             return None
         if op == "mean":
@@ -208,11 +208,11 @@ class Communicator:
         row_bounds = ring.even_bounds(array.shape[0], self.size)
         row_elems = int(np.prod(array.shape[1:], dtype=np.int64))
         bounds = [(a * row_elems, b * row_elems) for a, b in row_bounds]
-        step = self._begin("reduce_scatter", array.dtype, array.shape, reduce_op=op, timeout=timeout)
-        with self._running(step):
+        call = self._begin("reduce_scatter", array.dtype, array.shape, reduce_op=op, timeout=timeout)
+        with self._running(call):
             if self.size > 1:
-                ring.reduce_scatter(step, work.reshape(-1), bounds, ufunc, owned=0)
-                step.finish_sends()
+                ring.reduce_scatter(call, work.reshape(-1), bounds, ufunc, owned=0)
+                call.finish_sends()
         start, stop = row_bounds[self.rank]
         result = work[start:stop].copy()
         if op == "mean":
@@ -224,17 +224,17 @@ class Communicator:
         array = as_supported_array(array)
         self._check_root(root)
         result = np.array(array, copy=True)
-        step = self._begin("broadcast", array.dtype, array.shape, root=root, timeout=timeout)
-        with self._running(step):
+        call = self._begin("broadcast", array.dtype, array.shape, root=root, timeout=timeout)
+        with self._running(call):
             if self.size > 1:
                 flat = result.reshape(-1)
                 if result.nbytes <= _DIRECT_BROADCAST_BYTES or self.size == 2:
-                    self._direct_broadcast(step, flat, root)
+                    self._direct_broadcast(call, flat, root)
                 else:
                     bounds = ring.even_bounds(flat.size, self.size)
-                    self._scatter_segments(step, flat, bounds, root)
-                    ring.allgather(step, flat, bounds, owned=0)
-                step.finish_sends()
+                    self._scatter_segments(call, flat, bounds, root)
+                    ring.allgather(call, flat, bounds, owned=0)
+                call.finish_sends()
         return result
 
     def allgather(self, array, timeout: Optional[float] = None) -> np.ndarray:
@@ -245,20 +245,20 @@ class Communicator:
         array = as_supported_array(array)
         if array.ndim == 0:
             raise UsageError("allgather needs an array with at least one dimension")
-        step = self._begin("allgather", array.dtype, (-1,) + array.shape[1:], timeout=timeout)
-        with self._running(step):
+        call = self._begin("allgather", array.dtype, (-1,) + array.shape[1:], timeout=timeout)
+        with self._running(call):
             rows = np.zeros(self.size, np.int64)
             rows[self.rank] = array.shape[0]
             if self.size > 1:
-                ring.allgather(step, rows, ring.even_bounds(self.size, self.size), owned=0)
+                ring.allgather(call, rows, ring.even_bounds(self.size, self.size), owned=0)
             row_elems = int(np.prod(array.shape[1:], dtype=np.int64))
             offsets = np.concatenate([[0], np.cumsum(rows)])
             result = np.empty((int(offsets[-1]),) + array.shape[1:], array.dtype)
             result[offsets[self.rank] : offsets[self.rank + 1]] = array
             if self.size > 1:
                 bounds = [(int(offsets[i]) * row_elems, int(offsets[i + 1]) * row_elems) for i in range(self.size)]
-                ring.allgather(step, result.reshape(-1), bounds, owned=0)
-                step.finish_sends()
+                ring.allgather(call, result.reshape(-1), bounds, owned=0)
+                call.finish_sends()
         return result
 
     def gather(self, array, root: int = 0, timeout: Optional[float] = None) -> Optional[np.ndarray]:
@@ -267,14 +267,14 @@ class Communicator:
         self._check_root(root)
         if array.ndim == 0:
             raise UsageError("gather needs an array with at least one dimension")
-        step = self._begin("gather", array.dtype, (-1,) + array.shape[1:], root=root, timeout=timeout)
-        with self._running(step):
+        call = self._begin("gather", array.dtype, (-1,) + array.shape[1:], root=root, timeout=timeout)
+        with self._running(call):
             if self.rank != root:
-                step.send(array, root)
-                step.finish_sends()
+                call.send(array, root)
+                call.finish_sends()
                 return None
-            requests = {src: step.recv_new(src) for src in range(self.size) if src != root}
-            parts = [array if src == root else step.wait(requests[src]) for src in range(self.size)]
+            requests = {src: call.recv_new(src) for src in range(self.size) if src != root}
+            parts = [array if src == root else call.wait(requests[src]) for src in range(self.size)]
         return np.concatenate(parts, axis=0)
 
     def scatter(self, arrays: Optional[Sequence], root: int = 0, timeout: Optional[float] = None) -> np.ndarray:
@@ -288,53 +288,53 @@ class Communicator:
                 got = "None" if arrays is None else f"{len(arrays)} arrays"
                 raise UsageError(f"scatter on root {root} needs a list of {self.size} arrays, got {got}")
             arrays = [as_supported_array(a) for a in arrays]
-        step = self._begin("scatter", None, (), root=root, timeout=timeout)
-        with self._running(step):
+        call = self._begin("scatter", None, (), root=root, timeout=timeout)
+        with self._running(call):
             if self.rank == root:
                 assert arrays is not None  # checked above
                 for dst in range(self.size):
                     if dst != root:
-                        step.send(arrays[dst], dst)
-                step.finish_sends()
+                        call.send(arrays[dst], dst)
+                call.finish_sends()
                 return arrays[root].copy()
-            return step.wait(step.recv_new(root))
+            return call.wait(call.recv_new(root))
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Returns once every rank has entered the barrier."""
-        step = self._begin("barrier", None, (), timeout=timeout)
-        with self._running(step):
+        call = self._begin("barrier", None, (), timeout=timeout)
+        with self._running(call):
             if self.size > 1:
                 flags = np.zeros(self.size, np.uint8)
-                ring.allgather(step, flags, ring.even_bounds(self.size, self.size), owned=0)
-                step.finish_sends()
+                ring.allgather(call, flags, ring.even_bounds(self.size, self.size), owned=0)
+                call.finish_sends()
 
     # ---- building blocks ------------------------------------------------------------------
 
-    def _direct_broadcast(self, step: ring.CollectiveCall, flat: np.ndarray, root: int) -> None:
+    def _direct_broadcast(self, call: ring.CollectiveCall, flat: np.ndarray, root: int) -> None:
         if self.rank == root:
             for dst in range(self.size):
                 if dst != root:
-                    step.send(flat, dst)
+                    call.send(flat, dst)
         else:
-            step.wait(step.recv_into(flat, root))
+            call.wait(call.recv_into(flat, root))
 
-    def _scatter_segments(self, step: ring.CollectiveCall, flat: np.ndarray, bounds, root: int) -> None:
+    def _scatter_segments(self, call: ring.CollectiveCall, flat: np.ndarray, bounds, root: int) -> None:
         if self.rank == root:
             for dst in range(self.size):
                 if dst != root:
-                    step.send(flat[bounds[dst][0] : bounds[dst][1]], dst)
+                    call.send(flat[bounds[dst][0] : bounds[dst][1]], dst)
         else:
             start, stop = bounds[self.rank]
-            step.wait(step.recv_into(flat[start:stop], root))
+            call.wait(call.recv_into(flat[start:stop], root))
 
-    def _gather_segments(self, step: ring.CollectiveCall, flat: np.ndarray, bounds, root: int) -> None:
+    def _gather_segments(self, call: ring.CollectiveCall, flat: np.ndarray, bounds, root: int) -> None:
         if self.rank != root:
             start, stop = bounds[self.rank]
-            step.send(flat[start:stop], root)
+            call.send(flat[start:stop], root)
             return
-        requests = [step.recv_into(flat[a:b], src) for src, (a, b) in enumerate(bounds) if src != root]
+        requests = [call.recv_into(flat[a:b], src) for src, (a, b) in enumerate(bounds) if src != root]
         for request in requests:
-            step.wait(request)
+            call.wait(request)
 
     def _output_buffer(self, array: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
         if out is None:
@@ -405,8 +405,8 @@ class Communicator:
             names,
         )
 
-    def _running(self, step: ring.CollectiveCall):
-        return _Running(self, step)
+    def _running(self, call: ring.CollectiveCall):
+        return _Running(self, call)
 
     def _observe(self, src: int, theirs: peer_pb2.CollectiveDescriptor) -> None:
         """Called from gRPC threads with the descriptor of every collective message."""
@@ -500,12 +500,12 @@ class Communicator:
         if self._error_factory is not None:
             raise self._error_factory()
 
-    def _on_timeout(self, step: ring.CollectiveCall, error: CollectiveTimeoutError) -> CommunicationError:
+    def _on_timeout(self, call: ring.CollectiveCall, error: CollectiveTimeoutError) -> CommunicationError:
         """Aborts every rank after a local deadline; returns the error to raise here."""
         if self._error_factory is not None:  # aborted already (maybe by a peer's timeout): keep that cause
             return self._error_factory()
         waiting = sorted(set(error.waiting_for) | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
-        d = step.descriptor
+        d = call.descriptor
         message = (
             f"collective #{d.sequence} {_describe(d)} did not complete within its deadline; "
             f"rank {self.rank} is still waiting for rank(s) {waiting}"
@@ -530,16 +530,16 @@ class _Running:
     may simply have finished); only a collective that needed it does, here.
     """
 
-    def __init__(self, communicator: Communicator, step: ring.CollectiveCall):
+    def __init__(self, communicator: Communicator, call: ring.CollectiveCall):
         self._communicator = communicator
-        self._step = step
+        self._call = call
 
     def __enter__(self):
-        return self._step
+        return self._call
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and issubclass(exc_type, CollectiveTimeoutError):
-            raise self._communicator._on_timeout(self._step, exc) from None
+            raise self._communicator._on_timeout(self._call, exc) from None
         if exc_type is not None and issubclass(exc_type, PeerFailureError):
             message, peer, rank = str(exc), exc.peer_rank, exc.rank
             self._communicator._abort(

@@ -27,17 +27,17 @@ def is_small(nbytes: int, size: int) -> bool:
     return nbytes * (size - 1) <= DIRECT_SEND_BYTES
 
 
-def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
+def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     """All-reduces the 1-D ``flat`` in place by a direct exchange with every peer."""
-    p2p = step.p2p
+    p2p = call.p2p
     peers = [r for r in range(p2p.size) if r != p2p.rank]
     contributions = {r: np.empty_like(flat) for r in peers}
-    requests = {r: step.recv_into(contributions[r], r) for r in peers}
+    requests = {r: call.recv_into(contributions[r], r) for r in peers}
     for r in peers:
-        step.send(flat, r)
+        call.send(flat, r)
     for r in peers:
-        step.wait(requests[r])
-    step.finish_sends()  # flat is overwritten below
+        call.wait(requests[r])
+    call.finish_sends()  # flat is overwritten below
     if p2p.rank != 0:  # rank 0's own array already is the start of the sum
         contributions[p2p.rank] = flat.copy()
         np.copyto(flat, contributions[0])

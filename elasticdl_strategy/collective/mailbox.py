@@ -218,11 +218,11 @@ class _Entry:
         else:
             self.future.set_exception(error)
 
-    def _apply(self, step: Callable, *args) -> None:
+    def _apply(self, action: Callable, *args) -> None:
         if self._ended():
             return
         try:
-            step(*args)
+            action(*args)
         except CommunicationError as e:
             self._set_failure(e)
 

@@ -90,21 +90,21 @@ class CollectiveCall:
 
 
 def reduce_scatter(
-    step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int
+    call: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int
 ) -> None:
     """Ring reduce-scatter in place on the 1-D ``flat``.
 
     Afterwards segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.
     """
-    _run(step, flat, bounds, owned - 1, _post_reduce_scatter(step, flat, bounds, ufunc, owned))
+    _run(call, flat, bounds, owned - 1, _post_reduce_scatter(call, flat, bounds, ufunc, owned))
 
 
-def allgather(step: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], owned: int) -> None:
+def allgather(call: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], owned: int) -> None:
     """Ring all-gather in place on the 1-D ``flat``, each rank starting with segment ``(rank + owned) % N``."""
-    _run(step, flat, bounds, owned, _post_allgather(step, flat, bounds, owned))
+    _run(call, flat, bounds, owned, _post_allgather(call, flat, bounds, owned))
 
 
-def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
+def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     """Bandwidth-optimal ring all-reduce in place on the 1-D ``flat``.
 
     Every receive of both phases is posted before the first send, each into its
@@ -113,39 +113,39 @@ def allreduce(step: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     is safe: a segment's data only reaches this rank after this rank's own use
     of that segment (its send, or its reduction) is complete.
     """
-    bounds = even_bounds(flat.size, step.p2p.size)
-    reduced = _post_reduce_scatter(step, flat, bounds, ufunc, owned=1)
-    gathered = _post_allgather(step, flat, bounds, owned=1)
-    _run(step, flat, bounds, 0, reduced)
-    _run(step, flat, bounds, 1, gathered)
+    bounds = even_bounds(flat.size, call.p2p.size)
+    reduced = _post_reduce_scatter(call, flat, bounds, ufunc, owned=1)
+    gathered = _post_allgather(call, flat, bounds, owned=1)
+    _run(call, flat, bounds, 0, reduced)
+    _run(call, flat, bounds, 1, gathered)
 
 
-def _post_reduce_scatter(step: CollectiveCall, flat, bounds, ufunc: Callable, owned: int) -> List[Request]:
+def _post_reduce_scatter(call: CollectiveCall, flat, bounds, ufunc: Callable, owned: int) -> List[Request]:
     """Receives of reduce-scatter step s (from the left, reduced into segment rank + owned - 2 - s)."""
-    n, rank, left = step.p2p.size, step.p2p.rank, (step.p2p.rank - 1) % step.p2p.size
+    n, rank, left = call.p2p.size, call.p2p.rank, (call.p2p.rank - 1) % call.p2p.size
     segments = [bounds[(rank + owned - 2 - s) % n] for s in range(n - 1)]
-    return [step.recv_reduce(flat[a:b], ufunc, left) for a, b in segments]
+    return [call.recv_reduce(flat[a:b], ufunc, left) for a, b in segments]
 
 
-def _post_allgather(step: CollectiveCall, flat, bounds, owned: int) -> List[Request]:
+def _post_allgather(call: CollectiveCall, flat, bounds, owned: int) -> List[Request]:
     """Receives of all-gather step s (from the left, into segment rank + owned - 1 - s)."""
-    n, rank, left = step.p2p.size, step.p2p.rank, (step.p2p.rank - 1) % step.p2p.size
+    n, rank, left = call.p2p.size, call.p2p.rank, (call.p2p.rank - 1) % call.p2p.size
     segments = [bounds[(rank + owned - 1 - s) % n] for s in range(n - 1)]
-    return [step.recv_into(flat[a:b], left) for a, b in segments]
+    return [call.recv_into(flat[a:b], left) for a, b in segments]
 
 
-def _run(step: CollectiveCall, flat, bounds, first: int, requests: List[Request]) -> None:
+def _run(call: CollectiveCall, flat, bounds, first: int, requests: List[Request]) -> None:
     """Sends segment rank + first - s to the right at step s, then waits for receive s
     (whose segment, rank + first - 1 - s, is the one sent at step s + 1)."""
-    n, rank, right = step.p2p.size, step.p2p.rank, (step.p2p.rank + 1) % step.p2p.size
+    n, rank, right = call.p2p.size, call.p2p.rank, (call.p2p.rank + 1) % call.p2p.size
     for s, request in enumerate(requests):
         a, b = bounds[(rank + first - s) % n]
-        step.send(flat[a:b], right)
-        step.wait(request)
+        call.send(flat[a:b], right)
+        call.wait(request)
 
 
 def reduce_scatter_compressed(
-    step: CollectiveCall,
+    call: CollectiveCall,
     flat: np.ndarray,
     bounds: Sequence[Tuple[int, int]],
     ufunc: Callable,
@@ -159,20 +159,20 @@ def reduce_scatter_compressed(
     earlier one) and widens the incoming segment into ``flat``. Afterwards
     segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.
     """
-    p2p = step.p2p
+    p2p = call.p2p
     n, rank = p2p.size, p2p.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     for s in range(n - 1):
         send_a, send_b = bounds[(rank + owned - 1 - s) % n]
         recv_a, recv_b = bounds[(rank + owned - 2 - s) % n]
-        request = step.recv_reduce_widening(flat[recv_a:recv_b], ufunc, left, send16.dtype)
+        request = call.recv_reduce_widening(flat[recv_a:recv_b], ufunc, left, send16.dtype)
         compression.encode(flat[send_a:send_b], send16[send_a:send_b])
-        step.send(send16[send_a:send_b], right)
-        step.wait(request)
+        call.send(send16[send_a:send_b], right)
+        call.wait(request)
 
 
 def allgather_compressed(
-    step: CollectiveCall,
+    call: CollectiveCall,
     flat: np.ndarray,
     bounds: Sequence[Tuple[int, int]],
     send16: np.ndarray,
@@ -185,25 +185,25 @@ def allgather_compressed(
     ``send16`` (and widened back into ``flat``); the others arrive in ``recv16``,
     are forwarded from there unchanged and widened into ``flat``.
     """
-    p2p = step.p2p
+    p2p = call.p2p
     n, rank = p2p.size, p2p.rank
     right, left = (rank + 1) % n, (rank - 1) % n
     pending = None
     for s in range(n - 1):
         send_a, send_b = bounds[(rank + owned - s) % n]
         recv_a, recv_b = bounds[(rank + owned - 1 - s) % n]
-        request = step.recv_into(recv16[recv_a:recv_b], left)
-        step.send((send16 if s == 0 else recv16)[send_a:send_b], right)
+        request = call.recv_into(recv16[recv_a:recv_b], left)
+        call.send((send16 if s == 0 else recv16)[send_a:send_b], right)
         if pending is not None:  # widen the previous segment while this one travels
             compression.decode(recv16[pending[0] : pending[1]], flat[pending[0] : pending[1]])
-        step.wait(request)
+        call.wait(request)
         pending = (recv_a, recv_b)
     if pending is not None:
         compression.decode(recv16[pending[0] : pending[1]], flat[pending[0] : pending[1]])
 
 
 def allreduce_compressed(
-    step: CollectiveCall, flat: np.ndarray, ufunc: Callable, send16: np.ndarray, recv16: np.ndarray
+    call: CollectiveCall, flat: np.ndarray, ufunc: Callable, send16: np.ndarray, recv16: np.ndarray
 ) -> None:
     """Ring all-reduce in place on the 1-D float ``flat``, 16-bit values on the wire.
 
@@ -211,9 +211,9 @@ def allreduce_compressed(
     The owner of each reduced segment rounds it to 16 bits and keeps the
     rounded value itself too, so every rank ends with the same bits.
     """
-    bounds = even_bounds(flat.size, step.p2p.size)
-    reduce_scatter_compressed(step, flat, bounds, ufunc, send16, owned=1)
-    own_a, own_b = bounds[(step.p2p.rank + 1) % step.p2p.size]
+    bounds = even_bounds(flat.size, call.p2p.size)
+    reduce_scatter_compressed(call, flat, bounds, ufunc, send16, owned=1)
+    own_a, own_b = bounds[(call.p2p.rank + 1) % call.p2p.size]
     compression.encode(flat[own_a:own_b], send16[own_a:own_b])
     compression.decode(send16[own_a:own_b], flat[own_a:own_b])
-    allgather_compressed(step, flat, bounds, send16, recv16, owned=1)
+    allgather_compressed(call, flat, bounds, send16, recv16, owned=1)

@@ -123,7 +123,7 @@ class OutboundStream:
         self._error: Optional[str] = None
         self._arena = arena
         self._arena_accepted = False
-        self._arena_answered = False
+        self._path_settled = False  # the peer answered the shared-memory / data-socket offer, or we stopped waiting
         self._reply_reader: Optional[threading.Thread] = None
         self._free_slots: Deque[int] = collections.deque(range(arena.slots) if arena is not None else ())
         self._data_host = data_host
@@ -319,11 +319,11 @@ class OutboundStream:
 
         Returns False when the stream broke meanwhile.
         """
-        if self._reply_reader is None or self._arena_answered:
+        if self._reply_reader is None or self._path_settled:
             return True
         deadline = time.monotonic() + _ANSWER_TIMEOUT_S
         with self._cond:
-            while not self._arena_answered and self._error is None:
+            while not self._path_settled and self._error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     logger.warning(
@@ -333,7 +333,7 @@ class OutboundStream:
                         self._peer_rank,
                         _ANSWER_TIMEOUT_S,
                     )
-                    self._arena_answered = True
+                    self._path_settled = True
                     break
                 self._cond.wait(min(remaining, _IDLE_POLL_S))
             return self._error is None
@@ -356,11 +356,11 @@ class OutboundStream:
                 self._arena.unlink()
             data_socket = self._connect_data_socket(answer) if answer.data_socket_port else None
             with self._cond:
-                late = self._arena_answered  # _await_answer gave up and went on over gRPC
+                late = self._path_settled  # _await_answer gave up and went on over gRPC
                 self._arena_accepted = answer.shared_memory_accepted and not late
                 if data_socket is not None and not late:
                     self._socket, data_socket = data_socket, None
-                self._arena_answered = True
+                self._path_settled = True
                 self._cond.notify_all()
             if data_socket is not None:
                 data_socket.close()

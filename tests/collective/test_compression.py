@@ -338,12 +338,12 @@ def _truncating_encode(values, wire):
     wire.view(np.uint16)[...] = bits.astype(np.uint16)
 
 
-def _owner_keeps_unrounded(step, flat, ufunc, send16, recv16):
-    bounds = ring.even_bounds(flat.size, step.p2p.size)
-    ring.reduce_scatter_compressed(step, flat, bounds, ufunc, send16, owned=1)
-    own_a, own_b = bounds[(step.p2p.rank + 1) % step.p2p.size]
+def _owner_keeps_unrounded(call, flat, ufunc, send16, recv16):
+    bounds = ring.even_bounds(flat.size, call.p2p.size)
+    ring.reduce_scatter_compressed(call, flat, bounds, ufunc, send16, owned=1)
+    own_a, own_b = bounds[(call.p2p.rank + 1) % call.p2p.size]
     compression.encode(flat[own_a:own_b], send16[own_a:own_b])  # sent rounded, but kept unrounded
-    ring.allgather_compressed(step, flat, bounds, send16, recv16, owned=1)
+    ring.allgather_compressed(call, flat, bounds, send16, recv16, owned=1)
 
 
 def _replace_instead_of_reduce(self, offset, data):
