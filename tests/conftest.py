@@ -13,6 +13,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes several seconds (multi-process jobs, 64 MiB tensors)")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with slow tests first (otherwise in collection order): under ``-n 2 --dist loadfile``
+    the long multi-process modules then start early, and short ones fill in at the end instead of
+    one process finishing a long module while the other waits."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)  # stable: keeps the order within each group
+
+
 @pytest.fixture
 def single_worker(monkeypatch):
     """This process as a job of one worker (rank 0 of 1, no coordinator), shut down afterwards."""
