@@ -10,11 +10,10 @@ from elasticdl_strategy.errors import KubernetesError
 from elasticdl_strategy.launcher.k8s import manifests
 from elasticdl_strategy.launcher.k8s.job_client import JobClient
 from elasticdl_strategy.launcher.k8s.job_config import K8sJobConfig
-from tests.launcher.k8s.emulator import KubeEmulator
+from tests.launcher.k8s.emulator import RESOURCES, KubeEmulator
 
 SELECTOR = "app.kubernetes.io/instance=job"
-PLURALS = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings", "Secret": "secrets",
-           "ConfigMap": "configmaps", "Service": "services", "Pod": "pods"}  # fmt: skip
+PLURALS = {rt.kind: rt.plural for rt in RESOURCES.values() if rt.kind in {kind for _, kind in manifests.JOB_KINDS}}
 
 
 @pytest.fixture
