@@ -25,7 +25,8 @@ The hierarchy (``tests/test_errors.py`` checks it against the code)::
     │   ├── CollectiveTimeoutError   a collective or recv passed its deadline
     │   ├── CommunicatorClosedError  the communicator was shut down
     │   ├── CommitAbortedError       a commit was not recorded: the membership changed
-    │   └── DataSocketClosed         (internal) a data socket ended; its stream fails or falls back to gRPC
+    │   ├── DataSocketClosed         (internal) a data socket ended; its stream fails or falls back to gRPC
+    │   └── IncompleteStream         (internal) a stream ended inside a message or without its goodbye
     ├── MembershipChangedInterrupt   (elastic) members join or leave at this commit
     ├── WorkerLeft               (elastic; also SystemExit(0)) no longer a member: its program should end
     ├── KubernetesError          the Kubernetes API refused or failed a request
@@ -153,6 +154,14 @@ class DataSocketClosed(CommunicationError):
 
     The transport fails the socket's stream with it or falls back to gRPC;
     the collectives report a :class:`PeerFailureError` if the peer is gone.
+    """
+
+
+class IncompleteStream(CommunicationError):
+    """Internal: a stream ended inside a message, or without its goodbye: the sender died.
+
+    The receiving side ends the stream's receives with the reason; the
+    collectives report a :class:`PeerFailureError`.
     """
 
 

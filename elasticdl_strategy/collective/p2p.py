@@ -34,7 +34,8 @@ from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.endpoints import open_channel
 from elasticdl_strategy.transport.lanes import ReceiveLane
 from elasticdl_strategy.transport.options import TransportOptions
-from elasticdl_strategy.transport.peer_link import OutboundStream, OutgoingMessage, send_abort, settle
+from elasticdl_strategy.transport.outbound import OutboundStream, OutgoingMessage, settle
+from elasticdl_strategy.transport.peer_link import send_abort
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import SendArena
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.errors import ConfigError, PeerFailureError
-from elasticdl_strategy.transport import data_socket, peer_link
+from elasticdl_strategy.transport import data_socket, outbound
 from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
 from elasticdl_strategy.transport.options import TransportOptions
 from tests.cluster import ThreadCluster, transport_options
@@ -163,7 +163,7 @@ def test_a_sender_that_cannot_connect_keeps_the_stream_on_grpc(monkeypatch):
     def refuse(*args, **kwargs):
         raise ConnectionRefusedError("refused for the test")
 
-    monkeypatch.setattr(peer_link, "connect", refuse)
+    monkeypatch.setattr(outbound, "connect", refuse)
     with ThreadCluster(2, transport_options("data-socket")) as cluster:
         data = np.arange(500_000, dtype=np.float32)
         results = cluster.run(lambda c: c.allreduce(data * (c.rank + 1)))

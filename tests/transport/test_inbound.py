@@ -1,0 +1,164 @@
+"""The receive routine over its two frame sources: every payload form, the move to the data
+socket, and the frames out of place that end a stream."""
+
+import socket
+import threading
+from typing import List, Optional
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.errors import IncompleteStream
+from elasticdl_strategy.transport import frames
+from elasticdl_strategy.transport.data_socket import FrameSocket
+from elasticdl_strategy.transport.inbound import GrpcFrames, receive_messages
+from elasticdl_strategy.transport.protos import peer_pb2
+from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
+
+MAX_FRAME = 1 << 20
+
+
+class Writer:
+    def __init__(self, nbytes: int, offer_target: bool):
+        self.data = bytearray(nbytes)
+        self.offer_target = offer_target
+        self.finished = False
+        self.targets = 0
+
+    def write(self, offset, data, borrowed=False):
+        self.data[offset : offset + len(data)] = data
+
+    def target(self, offset, nbytes):
+        if not self.offer_target:
+            return None
+        self.targets += 1
+        return memoryview(self.data)[offset : offset + nbytes]
+
+    def target_done(self):
+        pass
+
+    def finish(self):
+        self.finished = True
+
+
+class Receiver:
+    def __init__(self, offer_target: bool = False):
+        self.messages: List[Writer] = []
+        self.offer_target = offer_target
+
+    def on_header(self, header):
+        self.messages.append(Writer(header.nbytes, self.offer_target))
+        return self.messages[-1]
+
+    def on_closed(self, error, goodbye):
+        pass
+
+    def payloads(self) -> List[bytes]:
+        assert all(m.finished for m in self.messages)
+        return [bytes(m.data) for m in self.messages]
+
+
+def _header(sequence: int, nbytes: int, **fields) -> peer_pb2.MessageHeader:
+    return peer_pb2.MessageHeader(sequence=sequence, nbytes=nbytes, **fields)
+
+
+def _no_socket():
+    raise ValueError("data_socket_attached on a stream that was not given a data socket")
+
+
+def _receive(stream: List[bytes], receiver: Receiver, arena: Optional[ReceiveArena] = None, attach=_no_socket):
+    """Runs the routine to its end; returns (goodbye, replies)."""
+    replies = []
+    routine = receive_messages(GrpcFrames(iter(stream), attach), receiver, arena)
+    try:
+        while True:
+            replies.append(next(routine))
+    except StopIteration as end:
+        return end.value, replies
+
+
+GOODBYE = frames.encode_goodbye(peer_pb2.Goodbye(reason="done"))
+
+
+def test_every_payload_form_on_grpc_arrives_whole_and_in_order():
+    chunked = bytes(range(256)) * 5
+    stream = [
+        frames.encode_whole_message(b"whole", _header(0, 5)),
+        frames.encode_header(_header(1, 6, inline_data=b"inline")),
+        frames.encode_header(_header(2, 0)),
+        frames.encode_header(_header(3, len(chunked))),
+        *(frames.encode_chunk(chunked[i : i + 500]) for i in range(0, len(chunked), 500)),
+        GOODBYE,
+    ]
+    receiver = Receiver()
+    goodbye, replies = _receive(stream, receiver)
+    assert goodbye.reason == "done" and replies == []
+    assert receiver.payloads() == [b"whole", b"inline", b"", chunked]
+
+
+def test_payloads_through_shared_memory_arrive_and_their_slots_go_back(tmp_path):
+    slot = 4096
+    sender = SendArena(str(tmp_path), slots=2, slot_size=slot)
+    arena, refusal = ReceiveArena.open(str(tmp_path), sender.offer())
+    assert arena is not None, refusal
+    payload = np.random.default_rng(0).integers(0, 255, 2 * slot - 100, dtype=np.uint8).tobytes()
+    header = _header(0, len(payload))
+    sender.fill(0, memoryview(payload)[:slot])
+    header.shared_chunk.slot, header.shared_chunk.nbytes = 0, slot
+    sender.fill(1, memoryview(payload)[slot:])
+    stream = [frames.encode_header(header), frames.encode_shared_chunk(1, len(payload) - slot), GOODBYE]
+    receiver = Receiver()
+    _, replies = _receive(stream, receiver, arena)
+    assert receiver.payloads() == [payload]
+    assert sorted(s for reply in replies for s in reply.released_slots) == [0, 1]
+    arena.close()
+
+
+def test_the_stream_moves_to_its_data_socket_and_payloads_land_in_the_receive_buffer():
+    sending, receiving = (FrameSocket(s, MAX_FRAME) for s in socket.socketpair())
+    big = np.arange(300_000, dtype=np.uint8).tobytes()  # more than the socket buffers: written while read
+
+    def send():
+        sending.send_frame(frames.encode_header(_header(0, len(big))), memoryview(big))
+        sending.send_frame(frames.encode_header(_header(1, 2, inline_data=b"ok")))
+        sending.send_frame(GOODBYE)
+
+    writer = threading.Thread(target=send, daemon=True)
+    writer.start()
+    receiver = Receiver(offer_target=True)
+    try:
+        goodbye, _ = _receive([frames.encode_data_socket_attached()], receiver, attach=lambda: receiving)
+    finally:
+        writer.join(timeout=20)
+        sending.close()
+    assert goodbye.reason == "done"
+    assert receiver.payloads() == [big, b"ok"] and receiver.messages[0].targets >= 1
+
+
+def test_a_frame_on_grpc_after_the_move_to_the_data_socket_ends_the_stream():
+    sending, receiving = (FrameSocket(s, MAX_FRAME) for s in socket.socketpair())
+    sending.send_frame(GOODBYE)
+    stream = [frames.encode_data_socket_attached(), frames.encode_header(_header(0, 0))]
+    with pytest.raises(ValueError, match="a frame on gRPC after the stream moved"):
+        _receive(stream, Receiver(), attach=lambda: receiving)
+    sending.close()
+
+
+@pytest.mark.parametrize(
+    "stream, error, match",
+    [
+        ([frames.encode_header(_header(0, 0))], IncompleteStream, "without a goodbye"),
+        ([frames.encode_header(_header(0, 10)), frames.encode_chunk(b"12345")], IncompleteStream, "middle"),
+        ([frames.encode_shared_chunk(0, 8), GOODBYE], ValueError, "a shared_chunk frame between messages"),
+        ([frames.encode_hello(peer_pb2.StreamHello()), GOODBYE], ValueError, "a hello frame between messages"),
+        ([frames.encode_header(_header(0, 4)), GOODBYE], ValueError, "a goodbye frame inside a message's payload"),
+        ([frames.encode_chunk(b"1234"), GOODBYE], ValueError, "a chunk frame without a message header"),
+        ([frames.encode_data_socket_attached(), GOODBYE], ValueError, "not given a data socket"),
+        ([frames.encode_header(_header(0, 8, shared_chunk={"slot": 0, "nbytes": 8}))], ValueError, "without an arena"),
+    ],
+    ids=["no-goodbye", "cut-mid-message", "stray-slot", "second-hello", "goodbye-in-payload", "bare-chunk",
+         "no-socket", "no-arena"],
+)  # fmt: skip
+def test_a_frame_out_of_place_or_a_stream_cut_short_ends_the_stream_with_why(stream, error, match):
+    with pytest.raises(error, match=match):
+        _receive(stream, Receiver())
