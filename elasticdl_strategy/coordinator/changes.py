@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
-from typing import Callable, Optional, Set, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -36,9 +37,12 @@ class Changes:
     def notify(self) -> None:
         with self._lock:
             waiters, self._waiters = self._waiters, set()
+        by_loop: Dict[asyncio.AbstractEventLoop, List[asyncio.Future]] = collections.defaultdict(list)
         for loop, future in waiters:
+            by_loop[loop].append(future)
+        for loop, futures in by_loop.items():  # one wake-up per loop, not one per waiter (a thousand at a barrier)
             try:
-                loop.call_soon_threadsafe(_wake, future)
+                loop.call_soon_threadsafe(_wake, futures)
             except RuntimeError:  # that loop is closed: nobody waits there any more
                 pass
 
@@ -62,6 +66,7 @@ class Changes:
                     self._waiters.discard(entry)
 
 
-def _wake(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+def _wake(futures: List[asyncio.Future]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+import functools
+from typing import Dict, Tuple
 
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
@@ -39,17 +40,25 @@ class Membership:
 
     def rank_of(self, worker_id: str) -> int:
         """Returns the rank of ``worker_id``, or -1 when it is not a member."""
-        for rank, member in enumerate(self.members):
-            if member.worker_id == worker_id:
-                return rank
-        return -1
+        return self._ranks.get(worker_id, -1)
 
     def to_proto(self) -> coordinator_pb2.Membership:
+        """A new message holding this membership."""
+        return coordinator_pb2.Membership.FromString(self._serialized)
+
+    # A coordinator answers every worker's long poll with the same membership: at a thousand
+    # members, building it member by member for each answer dominated the time to form a job.
+    @functools.cached_property
+    def _ranks(self) -> Dict[str, int]:
+        return {m.worker_id: rank for rank, m in enumerate(self.members)}
+
+    @functools.cached_property
+    def _serialized(self) -> bytes:
         return coordinator_pb2.Membership(
             version=self.version,
             members=[coordinator_pb2.Member(worker_id=m.worker_id, address=m.address) for m in self.members],
             reason=self.reason,
-        )
+        ).SerializeToString()
 
     @classmethod
     def from_proto(cls, proto: coordinator_pb2.Membership) -> "Membership":

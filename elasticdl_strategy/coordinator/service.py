@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Dict, TypeVar
 
 import grpc
 
@@ -37,6 +37,22 @@ def health_probe(options: TransportOptions) -> Probe:
         return await answers_health_check_aio(address, options, timeout=PROBE_TIMEOUT_S)
 
     return probe
+
+
+def shared(probe: Probe) -> Probe:
+    """``probe`` where concurrent probes of one address share one health check: after a failure
+    every survivor reports the same suspect, and a thousand reports must not make a thousand
+    connections. Used in one event loop."""
+    in_flight: Dict[str, asyncio.Future] = {}
+
+    async def shared_probe(address: str) -> bool:
+        check = in_flight.get(address)
+        if check is None:
+            check = in_flight[address] = asyncio.ensure_future(probe(address))
+            check.add_done_callback(lambda _: in_flight.pop(address, None))
+        return await asyncio.shield(check)  # a caller cancelled does not cancel the others' check
+
+    return shared_probe
 
 
 def _refusals_abort(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -64,7 +80,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def __init__(self, coordinator: Coordinator, probe: Probe):
         self.coordinator = coordinator
-        self._probe = probe
+        self._probe = shared(probe)
 
     @_refusals_abort
     async def Register(self, request, context):

@@ -115,8 +115,17 @@ async def start_aio_server(
     return server, port
 
 
+# A channel whose server went away tries again within this long (gRPC's default backoff grows to
+# 120 s): a coordinator restarted in place is found again by every worker within a heartbeat or two.
+_MAX_RECONNECT_BACKOFF_MS = 1000
+
+
 def _channel_args(options: TransportOptions, extra: Optional[list]) -> list:
-    args = options.grpc_options() + [("grpc.use_local_subchannel_pool", 1)] + list(extra or [])
+    args: list = options.grpc_options() + [
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+    ]
+    args += list(extra or [])
     if options.tls is not None and options.tls.server_name:
         args.append(("grpc.ssl_target_name_override", options.tls.server_name))
     return args

@@ -332,6 +332,51 @@ def test_a_reported_peer_that_does_not_answer_is_removed():
     assert c.membership.version == 2
 
 
+def test_the_reports_of_every_survivor_about_one_suspect_make_one_health_check():
+    c = Coordinator(CoordinatorParams(WorkerCounts.of(50, min_workers=1)), clock=FakeClock())
+    for i in range(50):
+        c.register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}", incarnation="first"))
+    probed = []
+
+    async def probe(address):
+        probed.append(address)
+        await asyncio.sleep(0.05)  # the check takes a while: the other reports arrive meanwhile
+        return False
+
+    service = CoordinatorService(c, probe)
+
+    async def everyone_reports():
+        reports = [
+            pb.FailureReport(worker_id=f"w{i}", membership_version=1, suspects=["w49"], incarnation="first")
+            for i in range(49)
+        ]
+        return await asyncio.gather(*(service.ReportFailure(r, Context()) for r in reports))
+
+    answers = asyncio.run(everyone_reports())
+    assert probed == ["h:49"]
+    assert c.membership.version == 2 and "w49" not in members(c) and len(members(c)) == 49
+    assert {a.membership_version for a in answers} == {2}
+
+
+def test_a_large_membership_change_is_logged_by_count_and_by_who_left(caplog):
+    c = Coordinator(CoordinatorParams(WorkerCounts.of(40, min_workers=1)), clock=FakeClock())
+    for i in range(40):
+        c.register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}", incarnation="first"))
+    with caplog.at_level("INFO", logger="elasticdl_strategy.coordinator.coordinator"):
+        c.leave(pb.LeaveRequest(worker_id="w7", reason="done", incarnation="first"))
+    (line,) = [r.getMessage() for r in caplog.records if "membership version" in r.getMessage()]
+    assert line.endswith("40 -> 39 members; left: w7"), line
+
+
+def test_every_answer_holds_its_own_copy_of_the_membership():
+    c = Coordinator(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
+    for wid in "ab":
+        c.register(pb.RegisterRequest(worker_id=wid, address=f"h:{wid}"))
+    first = c.membership_answer(pb.GetMembershipRequest(worker_id="a"))
+    first.membership.members[0].address = "changed by its reader"
+    assert c.membership_answer(pb.GetMembershipRequest(worker_id="b")).membership.members[0].address == "h:a"
+
+
 def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declared_dead():
     c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
     for wid in "abs":
