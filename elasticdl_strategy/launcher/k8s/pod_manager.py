@@ -6,11 +6,18 @@ Decisions per worker pod (``decide``):
   pod has ended (standbys exit 0 by themselves);
 * deleted, evicted or preempted before ending, or exited 128-255 (killed by a
   signal): relaunched under a new worker id while the restart budget lasts,
-  after a backoff that doubles with every relaunch (1 s to 60 s);
+  after a backoff of 1 s that doubles with every relaunch in a row of one worker
+  slot whose pods did not run for a minute (up to 60 s; Kubernetes'
+  CrashLoopBackOff): a wave of evictions is replaced within a second, a pod
+  that keeps crashing ever more slowly;
 * OOMKilled, or exited 1-127 (an error in the program): not relaunched
   unless ``--relaunch-on-error``; reported with its reason;
 * the job fails when fewer than ``--min-workers`` workers remain alive and the
   budget cannot replace them, with a message saying why.
+
+The status ConfigMap is written at most once a second (and at the end):
+at hundreds of pods, writing it at every pod event would make the master the
+API server's busiest client.
 
 Watch events are applied idempotently. resourceVersions are opaque strings
 (the API promises no order between them): an event whose (uid,
@@ -38,6 +45,9 @@ logger = logging.getLogger(__name__)
 # Reasons (pod.status.reason) of pods removed by the cluster rather than by a failure of the program.
 _CLUSTER_REASONS = {"Evicted", "Preempting", "Preempted", "NodeShutdown", "Shutdown", "Terminated", "NodeLost"}
 _BACKOFF_START_S, _BACKOFF_CAP_S = 1.0, 60.0
+# A pod that ran this long ended its slot's run of crashes: its replacement starts the backoff again.
+_STABLE_RUN_S = 60.0
+_STATUS_INTERVAL_S = 1.0
 _WATCH_TIMEOUT_S = 5
 _API_TIMEOUT_S = 30
 _RETRY_PAUSE_S = 2.0
@@ -57,6 +67,9 @@ class WorkerPod:
     deleted: bool = False  # deleted or being deleted
     gone: bool = False  # the DELETED event arrived
     handled: bool = False  # its end was acted upon (relaunched, accepted or reported)
+    running_since: Optional[float] = None  # the manager's clock when it was first seen Running
+    crashes_before: int = 0  # pods of its slot before it, in a row, that ended without a stable run
+    crashes: int = 0  # once ended: those and itself if it did not run stably (0 if it did)
 
     @property
     def ended(self) -> bool:
@@ -186,6 +199,7 @@ class PodManager:
         self.finished = False
         self.outcome: Optional[JobOutcome] = None
         self._status_written = ""
+        self._next_status_write = float("-inf")
 
     # ---- pods -------------------------------------------------------------------------------
 
@@ -249,6 +263,8 @@ class PodManager:
         status = obj.status
         if status is not None:
             pod.phase = status.phase or pod.phase
+            if pod.phase == "Running" and pod.running_since is None:
+                pod.running_since = self.clock()
             pod.reason = status.reason or pod.reason
             for container in status.container_statuses or []:
                 terminated = container.state.terminated if container.state else None
@@ -280,7 +296,8 @@ class PodManager:
         if self.finished:
             return  # the job is winding down: nothing to replace
         if action == "relaunch" and self.restarts + len(self.pending_relaunches) < self.config.max_restarts:
-            delay = min(_BACKOFF_CAP_S, _BACKOFF_START_S * 2 ** (self.restarts + len(self.pending_relaunches)))
+            pod.crashes = 0 if self._ran_stably(pod) else pod.crashes_before + 1
+            delay = min(_BACKOFF_CAP_S, _BACKOFF_START_S * 2 ** max(0, pod.crashes - 1))
             self.pending_relaunches.append((self.clock() + delay, pod.name))
             logger.warning("%s: relaunching it as a new worker in %.0fs", pod.describe(), delay)
             return
@@ -292,6 +309,9 @@ class PodManager:
         message = f"{pod.describe()}: {why}"
         logger.error(message)
         self.failures.append(message)
+
+    def _ran_stably(self, pod: WorkerPod) -> bool:
+        return pod.running_since is not None and self.clock() - pod.running_since >= _STABLE_RUN_S
 
     def relaunch_due(self) -> None:
         now = self.clock()
@@ -306,6 +326,7 @@ class PodManager:
             self.settled.add(self.pods[replaced].index)
             try:
                 pod = self.create_worker()
+                pod.crashes_before = self.pods[replaced].crashes
             except ApiException as e:  # quota, admission webhook, RBAC: counts against the budget
                 message = f"relaunch {self.restarts} refused by the API: {e.status} {e.reason}"
                 logger.error(message)
@@ -368,6 +389,11 @@ class PodManager:
         }
 
     def write_status(self, force: bool = False) -> None:
+        """Writes the status if it changed, at most once per :data:`_STATUS_INTERVAL_S` unless ``force``
+        (a change held back is written by a later call: the watch loop makes one at least every
+        ``_WATCH_TIMEOUT_S``)."""
+        if not force and self.clock() < self._next_status_write:
+            return
         data = self.status()
         text = json.dumps(data, sort_keys=True)
         if text == self._status_written and not force:
@@ -375,6 +401,7 @@ class PodManager:
         try:
             self.api.patch_namespaced_config_map(self.config.status_name, self.config.namespace, {"data": data})
             self._status_written = text
+            self._next_status_write = self.clock() + _STATUS_INTERVAL_S
         except Exception as e:  # noqa: BLE001 - the status is informative; the job goes on
             logger.warning("could not write the job status: %s", e)
 
@@ -435,7 +462,7 @@ class PodManager:
     def _step(self) -> bool:
         self.relaunch_due()
         self.outcome = self.check_outcome()
-        self.write_status()
+        self.write_status(force=self.outcome is not None)
         return self.outcome is not None
 
     def _relist(self) -> None:

@@ -23,6 +23,8 @@ What is emulated, as a real cluster does it:
 * Pods: scheduling against ``set_capacity``, the downward API, Secret and ConfigMap env, ``$(VAR)``
   expansion, restart policies with a back-off, graceful deletion (SIGTERM, SIGKILL after the grace
   period), OOM kills and evictions, owner-reference garbage collection.
+* ``requests``: how many requests were served, by verb and resource (``("patch", "configmaps")``), to
+  count what a controller costs the API server.
 
 What is not: admission beyond the ServiceAccount check, RBAC evaluation (``deny``/``allow`` stand in for
 it), server-side apply, finalizers, volumes, probes, init and sidecar containers (only the first container
@@ -32,6 +34,7 @@ runs), DNS for services, log timestamps.
 from __future__ import annotations
 
 import base64
+import collections
 import copy
 import datetime
 import http.server
@@ -1249,6 +1252,9 @@ class KubeEmulator:
         self._dir = tempfile.mkdtemp(prefix="kube-emulator-")
         self.kubeconfig = os.path.join(self._dir, "kubeconfig")
         self._denied: set[tuple[str, str]] = set()
+        # Resource requests served, by (verb, resource): e.g. ("patch", "configmaps"), ("create", "pods/eviction").
+        self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._requests_lock = threading.Lock()
         self._duplicate_events = False
         self._capacity: int | None = None
         self._bound: set[str] = set()
@@ -1691,6 +1697,8 @@ class KubeEmulator:
             raise ApiError(
                 405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method})"
             )
+        with self._requests_lock:
+            self.requests[(verb, plural if sub is None else f"{plural}/{sub}")] += 1
         self._authorize(verb, rt, sub, ns if rt.namespaced else name, name)
         key_ns = ns or ""
         if sub == "log":

@@ -418,7 +418,8 @@ def test_pod_process_reaches_the_api_through_kubeconfig(emu, core, tmp_path):
         print(sorted(p.metadata.name for p in pods.items))
     """)
     core.create_namespaced_pod("default", pod_body("me", script, labels={"app": "self"}))
-    emu.wait_for(lambda: emu.pod("me")["status"]["phase"] in ("Succeeded", "Failed"), 10)
+    # The pod imports kubernetes: seconds of CPU, more under load.
+    emu.wait_for(lambda: emu.pod("me")["status"]["phase"] in ("Succeeded", "Failed"), 60)
     assert core.read_namespaced_pod_log("me", "default") == "['me']\n"
     # and a test-side kubeconfig works too
     path = tmp_path / "kubeconfig"

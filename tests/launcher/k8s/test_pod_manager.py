@@ -25,6 +25,7 @@ class FakeCoreApi:
 
     def __init__(self):
         self.created, self.deleted, self.status = [], [], {}
+        self.status_writes = 0
 
     def create_namespaced_pod(self, namespace, body, **kwargs):
         self.created.append(body["metadata"]["name"])
@@ -37,6 +38,7 @@ class FakeCoreApi:
 
     def patch_namespaced_config_map(self, name, namespace, body):
         self.status = body["data"]
+        self.status_writes += 1
 
     def read_namespaced_config_map(self, name, namespace):
         if not self.status:
@@ -193,6 +195,55 @@ def test_the_restart_budget_is_enforced_with_doubling_backoff():
     assert api.created == ["job-worker-0", "job-worker-1", "job-worker-2", "job-worker-3"]
     outcome = m.check_outcome()
     assert outcome.phase == "Failed" and "restart budget spent" in outcome.message
+
+
+def test_a_wave_of_evictions_is_replaced_after_the_first_backoff_not_one_after_the_other():
+    m, api, clock = manager(workers=20, min_workers=10, max_restarts=20)
+    for index in range(20):
+        m.apply("MODIFIED", pod(f"job-worker-{index}", 3, "Running"))
+    clock.now += 300
+    for index in range(20):
+        m.apply("MODIFIED", pod(f"job-worker-{index}", 4, "Failed", exit_code=143, status_reason="Evicted"))
+    assert {due - clock.now for due, _ in m.pending_relaunches} == {1.0}
+    clock.now += 1.0
+    m.relaunch_due()
+    assert len(api.created) == 40 and m.restarts == 20
+
+
+def test_a_slot_that_keeps_crashing_backs_off_longer_until_one_of_its_pods_runs_stably():
+    m, api, clock = manager(workers=2, min_workers=1, max_restarts=10)
+    delays = []
+
+    def end(name, rv, ran_s):
+        m.apply("MODIFIED", pod(name, rv, "Running"))
+        clock.now += ran_s
+        m.apply("MODIFIED", pod(name, rv + 1, "Failed", exit_code=137))
+        delays.append(m.pending_relaunches[-1][0] - clock.now)
+        clock.now += 100
+        m.relaunch_due()
+        return api.created[-1]
+
+    name = "job-worker-0"
+    for ran_s in (5, 5, 5, 120, 5):
+        name = end(name, 10 * len(delays), ran_s)
+    assert delays == [1.0, 2.0, 4.0, 1.0, 1.0]
+
+
+def test_the_status_is_written_at_most_once_a_second_and_at_the_end():
+    m, api, clock = manager(workers=3, min_workers=1)
+    m.write_status()
+    for rv, phase in enumerate(["Pending", "Running"] * 3, start=1):
+        m.apply("MODIFIED", pod(f"job-worker-{rv % 3}", rv, phase))
+        clock.now += 0.1
+        m.write_status()
+    assert api.status_writes == 1
+    clock.now += 1.0
+    m.write_status()
+    assert api.status_writes == 2 and json.loads(api.status["workers"])["job-worker-1"]["phase"] == "Running"
+    m.apply("MODIFIED", pod("job-worker-0", 20, "Succeeded", exit_code=0))
+    m.apply("MODIFIED", pod("job-worker-1", 21, "Succeeded", exit_code=0))
+    m.apply("MODIFIED", pod("job-worker-2", 22, "Succeeded", exit_code=0))
+    assert m._step() and api.status_writes == 3 and api.status["phase"] == "Succeeded"  # at once
 
 
 def test_the_job_succeeds_when_training_finished_and_every_worker_ended():
