@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from elasticdl_strategy.collective import compression as wire_compression
-from elasticdl_strategy.collective import direct, ring
+from elasticdl_strategy.collective import cost_model, direct, recursive_doubling, ring
 from elasticdl_strategy.collective.dtypes import as_supported_array, check_reduce_op, dtype_name
 from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint
 from elasticdl_strategy.errors import (
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 # Broadcasts up to this size go straight from the root to every rank; larger
 # ones are scattered and then all-gathered around the ring.
 _DIRECT_BROADCAST_BYTES = 256 << 10
+_ALLREDUCE = {"direct": direct.allreduce, "recursive_doubling": recursive_doubling.allreduce, "ring": ring.allreduce}
 
 
 def _describe(d: peer_pb2.CollectiveDescriptor) -> str:
@@ -117,9 +118,10 @@ class Communicator:
         """Reduces ``array`` over all ranks; every rank gets the bitwise-identical result.
 
         Large arrays go around the bandwidth-optimal ring (reduce-scatter, then
-        all-gather: each rank sends 2(N-1)/N of the bytes); small ones, while
-        (N-1) x their size stays within 1 MiB, are sent to every peer at once
-        and reduced in rank order (one message latency instead of 2(N-1)).
+        all-gather: each rank sends 2(N-1)/N of the bytes); small ones are sent
+        to every peer at once and reduced in rank order (one message latency
+        instead of 2(N-1)), or, among many ranks, reduced by recursive doubling
+        (log2 N exchanges): :mod:`~elasticdl_strategy.collective.cost_model` picks.
 
         Args:
             array: any shape, any size (0 included), a supported dtype.
@@ -153,10 +155,8 @@ class Communicator:
         result = self._output_buffer(array, out)
         call = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
         with self._running(call):
-            if self.size > 1 and direct.is_small(result.nbytes, self.size):
-                direct.allreduce(call, result.reshape(-1), ufunc)
-            elif self.size > 1:
-                ring.allreduce(call, result.reshape(-1), ufunc)
+            if self.size > 1:
+                _ALLREDUCE[cost_model.choose(result.nbytes, self.size)](call, result.reshape(-1), ufunc)
                 call.finish_sends()
         if op == "mean":
             np.divide(result, self.size, out=result, casting="unsafe")

@@ -16,16 +16,6 @@ import numpy as np
 
 from elasticdl_strategy.collective.ring import CollectiveCall
 
-# An all-reduce takes the direct exchange while each rank sends at most this many bytes,
-# (N-1)·S (the ring above it). Measured on the 2-core VM, median ms, N = 2: 64 KiB 0.45 vs
-# 0.62 (ring), 256 KiB 0.50 vs 0.70, 1 MiB 0.99 vs 1.44; N = 4: 256 KiB 3.6 vs 6.8.
-DIRECT_SEND_BYTES = 1 << 20
-
-
-def is_small(nbytes: int, size: int) -> bool:
-    """Whether an all-reduce of ``nbytes`` among ``size`` ranks takes the direct exchange."""
-    return nbytes * (size - 1) <= DIRECT_SEND_BYTES
-
 
 def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     """All-reduces the 1-D ``flat`` in place by a direct exchange with every peer."""
