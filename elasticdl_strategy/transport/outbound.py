@@ -338,6 +338,9 @@ class OutboundStream:
     def _settled_path(self) -> Optional[BytePath]:
         """The path the peer's answer settled, waiting for it if it has not come (gRPC if it does
         not come in time); None once the stream is broken."""
+        path = self._path
+        if path is not None and self._state is not StreamState.BROKEN:
+            return path  # settled: every message after the first
         deadline = time.monotonic() + _ANSWER_TIMEOUT_S
         with self._cond:
             while self._path is None and self._state is not StreamState.BROKEN:
