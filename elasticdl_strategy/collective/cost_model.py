@@ -30,6 +30,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence, Tuple
 
@@ -102,6 +103,7 @@ def predict_hierarchical(
     return reduce_in + predict("ring", nbytes, hosts, between) + (send_out if per_host > 1 else 0.0)
 
 
+@functools.lru_cache(maxsize=1024)  # asked at every all-reduce, mostly for the same few sizes
 def choose(nbytes: int, size: int, path: PathCosts = SHARED_MEMORY) -> str:
     """The algorithm predicted fastest for ``nbytes`` among ``size`` ranks (``direct`` only while
     (N-1)·S <= :data:`DIRECT_SEND_BYTES`; ties go to the fewer rounds)."""
