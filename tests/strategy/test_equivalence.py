@@ -16,28 +16,47 @@ from tests.launch import read_reports, run_alone, run_job, worker_script
 
 pytestmark = pytest.mark.slow
 
+# The cases each job runs, one after the other in each of its processes (one start-up per job).
+CASES = {2: ("fit-sgd", "custom-sgd", "xla-sgd"), 3: ("custom-adam", "fit-adam")}
 
-def _single_process(mode, optimizer, out_dir):
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(n)``: the reports of one process and of ``n`` workers that ran ``CASES[n]``,
+    per case (``{case: report}`` for the one process, ``{case: [report of rank r]}``)."""
+    runs = {}
+
+    def run(n):
+        if n not in runs:
+            out_dir = tmp_path_factory.mktemp(f"workers{n}")
+            runs[n] = _single_process(CASES[n], out_dir / "one"), _workers(n, CASES[n], out_dir / "many")
+        return runs[n]
+
+    return run
+
+
+def _single_process(cases, out_dir):
     out_dir.mkdir()
-    result = run_alone([sys.executable, worker_script("strategy_train.py"), mode, optimizer, str(out_dir)])
+    result = run_alone([sys.executable, worker_script("strategy_train.py"), ",".join(cases), str(out_dir)])
     assert result.returncode == 0, result.stderr[-3000:]
     return read_reports(out_dir, [0])[0]
 
 
-def _workers(n, mode, optimizer, out_dir):
+def _workers(n, cases, out_dir):
     out_dir.mkdir()
-    command = [sys.executable, worker_script("strategy_train.py"), mode, optimizer, str(out_dir)]
+    command = [sys.executable, worker_script("strategy_train.py"), ",".join(cases), str(out_dir)]
     job = run_job(n, command, timeout=240)
     assert job.returncode == 0, job.stderr[-3000:]
-    return read_reports(out_dir, range(n))
+    reports = read_reports(out_dir, range(n))
+    return {case: [report[case] for report in reports] for case in cases}
 
 
 @pytest.mark.parametrize(
     "mode, optimizer, n", [("fit", "sgd", 2), ("custom", "sgd", 2), ("custom", "adam", 3), ("fit", "adam", 3)]
 )
-def test_workers_match_one_process_on_the_global_batch(tmp_path, mode, optimizer, n):
-    reference = _single_process(mode, optimizer, tmp_path / "one")
-    workers = _workers(n, mode, optimizer, tmp_path / "many")
+def test_workers_match_one_process_on_the_global_batch(trained, mode, optimizer, n):
+    one, many = trained(n)
+    reference, workers = one[f"{mode}-{optimizer}"], many[f"{mode}-{optimizer}"]
 
     assert reference["replicas"] == 1
     assert [w["replicas"] for w in workers] == [n] * n
@@ -62,8 +81,8 @@ def test_workers_match_one_process_on_the_global_batch(tmp_path, mode, optimizer
         assert workers[0]["messages_per_step"] == 2 * (n - 1)
 
 
-def test_jit_compile_fails_at_trace_time_with_a_clear_error(tmp_path):
-    workers = _workers(2, "xla", "sgd", tmp_path / "xla")
-    for w in workers:
+def test_jit_compile_fails_at_trace_time_with_a_clear_error(trained):
+    _, many = trained(2)
+    for w in many["xla-sgd"]:
         assert w["losses"], "fit with jit_compile=True should have failed"
         assert "XLA" in w["losses"][0] and "jit_compile=False" in w["losses"][0]

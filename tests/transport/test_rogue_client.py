@@ -8,11 +8,13 @@ connection's bound of streams they are refused), health checks likewise; floods 
 data-socket ports with connections and drips bytes into others;
 and keeps sending garbage, half-open calls and connections while the job's rounds run.
 Every attempt must be refused, the job's all-reduces stay exact in membership version 1,
-Health/Check answers within 1 s throughout, and the job's rounds take less than 1.5× their time
-without the attack. The job runs its rounds in blocks, quiet and attacked in turn after a
-warm-up, and the medians of the two kinds are compared: load from elsewhere on the machine
-then slows both alike (two separate jobs, quiet then attacked, failed when other work started
-between them: 1.54×). Measured 1.08–1.19× on this 2-core machine, whose cores the attacker shares.
+Health/Check answers within 1 s throughout, the streams between the workers keep their fast
+paths (a flood of the data-socket port used to push them back onto gRPC: 1.6× slower), and
+no server is held: an attacked block of rounds ends within a few seconds of the slowest quiet
+one, where a server held by a call would wait out that call's 10 or 30 s timeout. How much
+slower the attack makes training is not asserted: the attacker shares the 2 cores with the
+job and the load of other tests comes and goes (attacked over quiet, by the medians of the
+blocks, was 1.08–1.19× alone and 2.2× in a CI run whose quiet blocks took 0.61, 0.24 and 0.29 s).
 """
 
 import asyncio
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.slow
 
 BLOCKS = 7  # a warm-up, then quiet and attacked in turn: 3 of each
 ROUNDS = 400  # per block: ~1 s on 2 cores
+HELD_S = 5.0  # below the attacker's shortest timeout (10 s): a block this much slower waited on a held server
 FORMER_POOLS = {"coordinator": 64 + 8 * 2, "worker": 1024}
 WRONG = ((TOKEN_METADATA_KEY, "x" * 64),)
 HEALTH = "/grpc.health.v1.Health/Check"
@@ -238,7 +241,10 @@ def test_a_client_without_the_token_cannot_touch_a_training_job(tmp_path):
     assert all(code in ("OK", "CANCELLED", "UNAVAILABLE") for (path, code) in half_open if path == HEALTH), half_open
     assert findings["health_latency"] and max(findings["health_latency"]) < 1.0, max(findings["health_latency"])
     assert findings["flood_open"] == 0 and findings["drips_accepted"] == 0, findings
+    for rank, report in enumerate(reports):
+        assert report["data_socket_peers"] == report["shared_memory_peers"] == [1 - rank], report
     blocks = np.max([r["seconds"] for r in reports], axis=0)  # the slower rank's time of every block
-    quiet, attacked = np.median(blocks[2::2]), np.median(blocks[1::2])  # blocks[0]: the warm-up
-    print(f"blocks {np.round(blocks, 2).tolist()}: median {quiet:.2f}s quiet, {attacked:.2f}s attacked")
-    assert attacked < 1.5 * quiet, blocks.tolist()
+    quiet, attacked = blocks[2::2], blocks[1::2]  # blocks[0]: the warm-up
+    medians = f"median {np.median(quiet):.2f}s quiet, {np.median(attacked):.2f}s attacked"
+    print(f"blocks {np.round(blocks, 2).tolist()}: {medians}")
+    assert max(attacked) < max(quiet) + HELD_S, blocks.tolist()

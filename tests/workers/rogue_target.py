@@ -4,7 +4,8 @@ argv: OUT_DIR BLOCKS ROUNDS. Writes ``{OUT_DIR}/ports-rank{r}.json`` (its peer a
 ports, for the attacker) once it joined; then for each block b waits for ``{OUT_DIR}/go-{b}``
 (the test sets the attack on or off between blocks), runs ROUNDS rounds and writes
 ``{OUT_DIR}/done-{b}-rank{r}``; at the end it writes ``{OUT_DIR}/rank{r}.json``: whether every
-result was exact, the membership version, and how long each block took. It leaves once
+result was exact, the membership version, how long each block took and the peers its
+streams reach over a data socket and through shared memory. It leaves once
 ``{OUT_DIR}/stop`` exists.
 """
 
@@ -46,7 +47,14 @@ for block in range(blocks):
         exact &= bool(small[0] == i * size and small[1] == size * (size - 1) // 2)
     seconds.append(time.monotonic() - started)
     open(os.path.join(out_dir, f"done-{block}-rank{rank}"), "w").close()
-report = {"exact": exact, "version": runtime.current_worker().membership.version, "seconds": seconds}
+p2p = runtime.communicator().p2p
+report = {
+    "exact": exact,
+    "version": runtime.current_worker().membership.version,
+    "seconds": seconds,
+    "data_socket_peers": p2p.data_socket_peers,
+    "shared_memory_peers": p2p.shared_memory_peers,
+}
 write_report(out_dir, rank, report)
 wait_for("stop")  # the servers stay up until the test's attack is over
 runtime.shutdown()

@@ -1,9 +1,11 @@
-"""Worker of tests/strategy: trains a float64 MLP with AllReduceStrategy, by Keras fit or a custom loop.
+"""Worker of tests/strategy: trains float64 MLPs with AllReduceStrategy, by Keras fit or a custom loop.
 
-Usage: strategy_train.py fit|custom|xla sgd|adam RESULTS_DIR
+Usage: strategy_train.py CASE[,CASE...] RESULTS_DIR, each CASE ``MODE-OPTIMIZER`` with MODE
+fit|custom|xla and OPTIMIZER sgd|adam: one fresh model per case, one after the other in one
+process (the cases share the process's start-up, TensorFlow's import the largest part).
 
 Run with the launcher (N workers) or alone (the single-process reference);
-writes ``{results_dir}/rank{r}.json`` with the final weights and the losses.
+writes ``{results_dir}/rank{r}.json``: per case, the final weights and the losses.
 """
 
 import sys
@@ -76,16 +78,15 @@ def train_xla(strategy):
     return model, []
 
 
-def main(mode: str, optimizer: str, results_dir: str) -> None:
+def run_case(strategy: AllReduceStrategy, case: str) -> dict:
     global OPTIMIZER
-    OPTIMIZER = optimizer
-    keras.config.set_floatx("float64")
-    strategy = AllReduceStrategy()
+    mode, OPTIMIZER = case.split("-")
+    STATS.clear()
     # A different seed on every rank: the variables must start from rank 0's values anyway.
     keras.utils.set_random_seed(1234 + runtime.rank())
     model, losses = {"fit": train_fit, "custom": train_custom, "xla": train_xla}[mode](strategy)
     context_ids = strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
-    report = {
+    return {
         "rank": runtime.rank(),
         "size": runtime.size(),
         "replicas": strategy.num_replicas_in_sync,
@@ -94,9 +95,14 @@ def main(mode: str, optimizer: str, results_dir: str) -> None:
         "losses": losses,
         **STATS,
     }
-    write_report(results_dir, runtime.rank(), report)
+
+
+def main(cases: str, results_dir: str) -> None:
+    keras.config.set_floatx("float64")
+    strategy = AllReduceStrategy()
+    write_report(results_dir, runtime.rank(), {case: run_case(strategy, case) for case in cases.split(",")})
     runtime.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2])
