@@ -271,7 +271,48 @@ class Mailbox:
             else:
                 sequence = self._next_sequence[seq_key]
                 self._next_sequence[seq_key] += 1
-            key = (src, channel, tag, sequence)
+        key = (src, channel, tag, sequence)
+        return self.post_reserved(key, sink), key
+
+    def reserve(self, src: int, channel: int, tag: int) -> Optional[Key]:
+        """Takes the key of the next receive from ``src`` on (channel, tag) for a caller that reads
+        its message from a lane itself; it then counts it (:meth:`count`), or posts the receive
+        (:meth:`post_reserved`) when the message comes another way (or not soon).
+
+        Returns:
+            the key, or None (nothing taken: :meth:`post` instead) when that message has begun to
+            arrive, a cancelled receive gave a number back, or the source or the channel failed.
+        """
+        with self._lock:
+            seq_key = (src, channel, tag)
+            if self._released.get(seq_key) or src in self._failed_sources or channel in self._failed_channels:
+                return None
+            key = (src, channel, tag, self._next_sequence[seq_key])
+            if key in self._unmatched:
+                return None
+            self._next_sequence[seq_key] += 1
+            return key
+
+    def arrived(self, key: Key) -> bool:
+        """Whether the message ``key`` has begun to arrive without a posted receive."""
+        return key in self._unmatched  # one dict lookup: atomic under the GIL
+
+    def channel_failed(self, channel: int) -> bool:
+        return channel in self._failed_channels
+
+    def give_back(self, key: Key) -> None:
+        """A reserved receive was withdrawn: its number goes to the next receive on its (src, channel, tag)."""
+        with self._lock:
+            heapq.heappush(self._released[key[:3]], key[3])
+
+    def count(self, nbytes: int) -> None:
+        """A reserved receive got its message of ``nbytes`` from a lane."""
+        self._count(nbytes)
+
+    def post_reserved(self, key: Key, sink: Sink) -> futures.Future:
+        """Posts the receive of ``key`` (from :meth:`reserve`); returns its future, as :meth:`post`."""
+        src, channel = key[0], key[1]
+        with self._lock:
             entry = self._unmatched.pop(key, None)
             channel_error = self._failed_channels.get(channel)
             if entry is None:
@@ -279,10 +320,10 @@ class Mailbox:
                 error = channel_error or self._failed_sources.get(src)
                 if error is not None:
                     entry.fail(error())
-                    return entry.future, key
+                    return entry.future
             elif channel_error is not None:  # arrived, but the channel failed (an abort) before it was asked for
                 entry.fail(channel_error())
-                return entry.future, key
+                return entry.future
             # Posted, also when (part of) its message arrived first: a sender or a channel failing
             # from now on fails it (it is no longer among the unmatched).
             self._posted[key] = entry
@@ -292,7 +333,7 @@ class Mailbox:
                 self._posted.pop(key, None)
         else:
             entry.future.add_done_callback(lambda _: self._forget(key))
-        return entry.future, key
+        return entry.future
 
     def cancel(self, key: Key, error: BaseException) -> bool:
         """Withdraws a posted receive that nothing has arrived for yet.

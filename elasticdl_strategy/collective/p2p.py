@@ -21,7 +21,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from elasticdl_strategy.collective.dtypes import as_supported_array, dtype_name
-from elasticdl_strategy.collective.mailbox import ArraySink, Mailbox, Sink
+from elasticdl_strategy.collective.mailbox import ArraySink, Key, Mailbox, Sink
 from elasticdl_strategy.errors import (
     CollectiveTimeoutError,
     CommunicationError,
@@ -133,6 +133,67 @@ class Request:
             waiting_for=(self._peer,),
             rank=self._rank,
         )
+
+
+def _describe_receive(src: int, tag: int) -> str:
+    return f"receive from rank {src} (tag {tag})"
+
+
+class _LaneReceive(Request):
+    """A receive whose message may come by the sender's lane: the waiting caller reads the lane
+    itself and copies the message straight into the receive's buffer (no mailbox entry, no
+    future, no other thread). Only if it does not come that way within ``spin_us`` (or the
+    caller asks :meth:`done` first) is the receive posted to the mailbox, and waited for as any.
+    """
+
+    def __init__(self, p2p: "PointToPoint", key: Key, sink: Sink, describe: Callable[[], str]):
+        super().__init__(_DONE, describe, key[0], p2p.options.timeout_s, p2p.rank)
+        self._p2p = p2p
+        self._key: Optional[Key] = key  # reserved, not posted; None once posted or taken
+        self._sink = sink
+
+    def done(self) -> bool:
+        self._post()
+        return super().done()
+
+    def wait(self, timeout: Optional[float] = None):
+        timeout = self._default_timeout if timeout is None else timeout
+        key, self._key = self._key, None
+        if key is not None:
+            started = time.monotonic()
+            try:
+                if self._p2p._take_from_lane(key, self._sink, timeout):
+                    return self._sink.result()
+            except CommunicationError as e:  # the message was taken, and did not fit: it stays the answer
+                self._future = futures.Future()
+                self._future.set_exception(e)
+                raise
+            self._key = key
+            self._post()
+            timeout = max(0.0, timeout - (time.monotonic() - started))
+        return super().wait(timeout)
+
+    def abandon(self, error: BaseException) -> None:
+        self._post()
+        super().abandon(error)
+
+    def cancel(self) -> bool:
+        if self._key is not None:
+            self._p2p.mailbox.give_back(self._key)
+            self._key = None
+            return True
+        return super().cancel()
+
+    def _post(self) -> None:
+        """Hands the receive to the mailbox (its message then comes through it, by any path)."""
+        if self._key is None:
+            return
+        p2p, key = self._p2p, self._key
+        self._key = None
+        self._future = p2p.mailbox.post_reserved(key, self._sink)
+        self._cancel = lambda error: p2p.mailbox.cancel(key, error)
+        self._progress = functools.partial(p2p._wait_reading_lane, key[0], 0.0)
+        self._poll = functools.partial(p2p._read_lane_of, key[0])
 
 
 class PointToPoint:
@@ -295,6 +356,11 @@ class PointToPoint:
         if out is not None and (not isinstance(out, np.ndarray) or not out.flags.c_contiguous):
             raise UsageError("out must be a C-contiguous numpy array")
         sink = sink or ArraySink(self.rank, out)
+        describe = functools.partial(_describe_receive, src, tag)
+        if src in self._lanes and self._fits_lane(sink):
+            key = self.mailbox.reserve(src, channel, tag)
+            if key is not None:
+                return _LaneReceive(self, key, sink, describe)
         self._read_lane_of(src)  # what already arrived in its lane, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
         progress = poll = None
@@ -303,7 +369,7 @@ class PointToPoint:
             poll = functools.partial(self._read_lane_of, src)
         return Request(
             future,
-            lambda: f"receive from rank {src} (tag {tag})",
+            describe,
             src,
             self.options.timeout_s,
             self.rank,
@@ -317,6 +383,11 @@ class PointToPoint:
         if inbound is not None:
             inbound.read_lane()
 
+    def _fits_lane(self, sink: Sink) -> bool:
+        """Whether the message ``sink`` takes may come by a lane (a size known to fit one)."""
+        expected = sink.expected_nbytes
+        return expected is not None and expected <= self.options.shm_lane_bytes // 4 - _LANE_HEADER_ALLOWANCE
+
     def _spins_for(self, sink: Sink) -> float:
         """How long to spin for a message ``sink`` takes: ``spin_us`` if it may come by a lane, else 0 (a
         spinning caller holds the GIL that the stream's thread needs to deliver a large message)."""
@@ -324,6 +395,23 @@ class PointToPoint:
         if expected is not None and expected > self.options.shm_lane_bytes // 4 - _LANE_HEADER_ALLOWANCE:
             return 0.0
         return self.options.spin_us * 1e-6
+
+    def _take_from_lane(self, key: Key, sink: Sink, timeout: float) -> bool:
+        """Reads the lane of ``key``'s sender in this thread until the message ``key`` comes out of it
+        (written into ``sink``: True), for at most ``spin_us`` (and ``timeout``); False when it has
+        not come by then, came another way, or the lane went: then the receive is posted.
+
+        Raises:
+            CommunicationError: the message does not fit ``sink`` (a mismatch).
+        """
+        give_up = time.monotonic() + min(timeout, self.options.spin_us * 1e-6)
+        while True:
+            inbound = self._lanes.get(key[0])
+            taken = inbound.take(key, sink) if inbound is not None else False
+            if taken is not None:
+                return taken
+            if self.mailbox.arrived(key) or time.monotonic() >= give_up:
+                return False
 
     def recv(
         self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None
@@ -556,15 +644,63 @@ class _InboundStream:
                     if record is None:
                         return
                     header_bytes, payload, end = record
-                    writer = self.on_header(peer_pb2.MessageHeader.FromString(header_bytes))
-                except (ValueError, DecodeError) as e:  # a corrupt arena: the stream cannot be trusted
-                    self.lane = lane = None
-                    self._p2p.peer_failed(self._src, f"its lane holds something that is not a message ({e})")
+                    header = peer_pb2.MessageHeader.FromString(header_bytes)
+                except (ValueError, DecodeError) as e:
+                    self._lane_corrupt(e)
                     return
+                self._deliver(header, payload, end)
+
+    def _deliver(self, header: peer_pb2.MessageHeader, payload: memoryview, end: int) -> None:
+        """Hands a lane record to the mailbox (called with the lane's lock held)."""
+        writer = self.on_header(header)
+        if len(payload):
+            writer.write(0, payload, borrowed=True)
+        writer.finish()
+        self.lane.release(end)  # type: ignore[union-attr]
+
+    def _lane_corrupt(self, error: Exception) -> None:
+        """The arena holds something that is not a message: the stream cannot be trusted."""
+        self.lane = None
+        self._p2p.peer_failed(self._src, f"its lane holds something that is not a message ({error})")
+
+    def take(self, key: Key, sink: Sink) -> Optional[bool]:
+        """Reads the lane's next record: True if it is the message ``key`` (written into ``sink``);
+        None if the lane is empty or the record was another message (delivered to the mailbox);
+        False if the lane is gone or the message cannot be handed over (the collectives aborted:
+        the posted receive then fails with the reason).
+
+        Raises:
+            CommunicationError: the message does not fit ``sink`` (a mismatch).
+        """
+        with self._lane_lock:
+            lane = self.lane
+            if lane is None:
+                return False
+            try:
+                record = lane.next_record()
+                if record is None:
+                    return None
+                header_bytes, payload, end = record
+                header = peer_pb2.MessageHeader.FromString(header_bytes)
+            except (ValueError, DecodeError) as e:
+                self._lane_corrupt(e)
+                return False
+            if (self._src, header.channel, header.tag, header.sequence) != key:
+                self._deliver(header, payload, end)
+                return None
+            p2p = self._p2p
+            try:
+                if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
+                    p2p.header_observer(self._src, header.collective)
+                if p2p.mailbox.channel_failed(header.channel):
+                    return False
+                sink.begin(self._src, header)
                 if len(payload):
-                    writer.write(0, payload, borrowed=True)
-                writer.finish()
+                    sink.write(0, payload)
+            finally:
                 lane.release(end)
+            p2p.mailbox.count(header.nbytes)
+            return True
 
     def _detach_lane(self) -> None:
         """The stream ended: reads what its lane still holds, then lets go of it (waiters are woken)."""

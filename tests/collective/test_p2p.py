@@ -283,3 +283,91 @@ def test_a_receive_polled_with_done_completes_from_the_lane(shm_pair):
     while not request.done():  # only polled: nobody waits, the poll must read the lane
         assert time.monotonic() < deadline, "done() never saw the message in the lane"
     np.testing.assert_array_equal(request.wait(timeout=0), np.arange(5))
+
+
+def test_a_receive_into_a_buffer_reads_its_message_from_the_lane_in_the_callers_thread(shm_pair, monkeypatch):
+    _, a, b = shm_pair
+    posted = []
+    real_post = b.mailbox.post_reserved
+    monkeypatch.setattr(b.mailbox, "post_reserved", lambda key, sink: (posted.append(key), real_post(key, sink))[1])
+    received = b.messages_received
+    out = np.zeros(100)
+    request = b.irecv(0, tag=10, out=out)
+    a.send(np.arange(100.0), dst=1, tag=10)
+    assert request.wait(timeout=5) is out
+    np.testing.assert_array_equal(out, np.arange(100.0))
+    assert posted == [] and b.messages_received == received + 1  # no mailbox entry, still counted
+
+
+def test_receives_into_buffers_match_by_tag_and_order_across_the_lane_and_the_stream(shm_pair):
+    _, a, b = shm_pair
+    quarter = a.options.shm_lane_bytes // 4
+    sent = [(tag, np.full(n, i, np.uint8)) for i, (tag, n) in enumerate([(1, 8), (2, quarter + 1), (1, 16), (2, 24)])]
+    for tag, array in sent:
+        a.send(array, dst=1, tag=tag)
+    for tag in (2, 1):  # tag 2 first although tag 1 came first, in send order within a tag
+        for _, array in [m for m in sent if m[0] == tag]:
+            np.testing.assert_array_equal(b.recv(0, tag=tag, out=np.zeros_like(array)), array)
+
+
+def test_a_receive_into_a_buffer_gets_its_message_when_it_comes_by_the_stream(shm_pair):
+    _, a, b = shm_pair
+    before, filler = a.lane_messages_sent, np.zeros(4096, np.uint8)
+    sent = 0
+    while a.lane_messages_sent - before == sent:  # fill the lane: the first refused message takes the stream
+        a.send(filler, dst=1, tag=11)
+        sent += 1
+    request = b.irecv(0, tag=11, out=np.zeros(4096, np.uint8))
+    a.send(np.arange(12), dst=1, tag=12)  # the lane is still full: on the stream too
+    np.testing.assert_array_equal(b.recv(0, tag=12, out=np.zeros(12, np.int64)), np.arange(12))
+    request.wait(timeout=5)
+    for _ in range(sent - 1):
+        b.recv(0, tag=11, out=np.zeros(4096, np.uint8))
+
+
+def test_a_receive_into_a_buffer_of_the_wrong_size_raises_mismatch_every_time_it_is_waited_for(shm_pair):
+    _, a, b = shm_pair
+    request = b.irecv(0, tag=13, out=np.zeros(3))
+    a.send(np.zeros(4), dst=1, tag=13)
+    for _ in range(2):
+        with pytest.raises(CollectiveMismatchError, match="holds 32 bytes"):
+            request.wait(timeout=5)
+    a.send(np.ones(3), dst=1, tag=13)  # the next message goes to the next receive
+    np.testing.assert_array_equal(b.recv(0, tag=13, out=np.zeros(3)), np.ones(3))
+
+
+def test_a_cancelled_receive_into_a_buffer_leaves_its_message_to_the_next_receive(shm_pair):
+    _, a, b = shm_pair
+    assert b.irecv(0, tag=14, out=np.zeros(2)).cancel()
+    a.send(np.array([5.0, 6.0]), dst=1, tag=14)
+    np.testing.assert_array_equal(b.recv(0, tag=14, out=np.zeros(2)), [5.0, 6.0])
+
+
+def test_a_receive_into_a_buffer_polled_with_done_completes(shm_pair):
+    _, a, b = shm_pair
+    out = np.zeros(5)
+    request = b.irecv(0, tag=15, out=out)
+    a.send(np.arange(5.0), dst=1, tag=15)
+    deadline = time.monotonic() + 5
+    while not request.done():  # only polled: nobody waits
+        assert time.monotonic() < deadline, "done() never saw the message"
+    assert request.wait(timeout=0) is out
+    np.testing.assert_array_equal(out, np.arange(5.0))
+
+
+def test_threads_receiving_different_tags_from_one_lane_each_get_theirs(shm_pair):
+    _, a, b = shm_pair
+    results = {}
+
+    def receive(tag):
+        results[tag] = [b.recv(0, tag=tag, out=np.zeros(1))[0] for _ in range(200)]
+
+    threads = [threading.Thread(target=receive, args=(tag,)) for tag in (20, 21)]
+    for thread in threads:
+        thread.start()
+    for i in range(200):
+        for tag in (20, 21):
+            a.send(np.array([tag * 1000.0 + i]), dst=1, tag=tag)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == {tag: [tag * 1000.0 + i for i in range(200)] for tag in (20, 21)}

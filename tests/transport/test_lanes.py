@@ -1,12 +1,14 @@
 """Lanes: the ring of small messages in an arena, written and read by the callers' threads."""
 
+import multiprocessing
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from elasticdl_strategy.transport import futex
+from elasticdl_strategy.transport import futex, lanes
+from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
 
 pytestmark = pytest.mark.skipif(not futex.AVAILABLE, reason="lanes need Linux on x86-64")
@@ -74,8 +76,25 @@ def _asleep_in_futex(native_id: int) -> bool:
         return "futex" in f.read()
 
 
-def test_a_sleeping_reader_wakes_when_a_record_is_written(lane_pair):
+def _count_wakes(monkeypatch) -> list:
+    wakes = []
+    real = futex.wake
+    monkeypatch.setattr(lanes.futex, "wake", lambda address: (wakes.append(address), real(address)))
+    return wakes
+
+
+def test_a_ring_with_nobody_asleep_makes_no_system_call(lane_pair, monkeypatch):
     send, receive = lane_pair
+    wakes = _count_wakes(monkeypatch)
+    assert send.try_send(b"h", memoryview(b"x"))
+    receive.ring()
+    assert wakes == []
+    assert read_all(receive) == [(b"h", b"x")]
+
+
+def test_a_sleeping_reader_wakes_when_a_record_is_written(lane_pair, monkeypatch):
+    send, receive = lane_pair
+    wakes = _count_wakes(monkeypatch)
     seen = receive.doorbell
     woke, ids = [], []
     reader = threading.Thread(
@@ -90,6 +109,7 @@ def test_a_sleeping_reader_wakes_when_a_record_is_written(lane_pair):
     assert send.try_send(b"h", memoryview(b"x"))
     reader.join(timeout=5)
     assert woke and woke[0] - sent < 1.0
+    assert len(wakes) == 1  # the sender saw the sleeper
     assert read_all(receive) == [(b"h", b"x")]
 
 
@@ -100,3 +120,63 @@ def test_a_ring_between_looking_and_sleeping_is_not_lost(lane_pair):
     started = time.monotonic()
     receive.wait(seen, 5.0)
     assert time.monotonic() - started < 0.5
+
+
+ROUND_TRIPS = 3000
+
+
+def _next_record_or_sleep(lane) -> bytes:
+    """The next record's header, sleeping on the doorbell (no spinning) until it comes.
+
+    Raises:
+        AssertionError: a sleep lasted a second (a lost wake-up sleeps out the timeout).
+    """
+    while True:
+        seen = lane.doorbell
+        record = lane.next_record()
+        if record is not None:
+            header, _, end = record
+            lane.release(end)
+            return bytes(header)
+        started = time.monotonic()
+        lane.wait(seen, 1.0)
+        assert time.monotonic() - started < 1.0, "a wake-up was lost"
+
+
+def _echo(directory: str, offer: bytes, pipe) -> None:
+    """The other process of the ping-pong: echoes every record back on its own arena's lane."""
+    inbound, refusal = ReceiveArena.open(directory, peer_pb2.SharedMemoryOffer.FromString(offer))
+    outbound = SendArena(directory, 2, 64 << 10, lane_bytes=LANE)
+    pipe.send(outbound.offer().SerializeToString())
+    for _ in range(ROUND_TRIPS):
+        assert outbound.lane.try_send(_next_record_or_sleep(inbound.lane), memoryview(b""))
+    pipe.send("echoed")
+    pipe.recv()  # the test has read the last echo: the arena may go
+    inbound.close()
+
+
+def test_ping_pong_between_processes_loses_no_wake_up(tmp_path):
+    # Both sides sleep for every record (no spinning): each of the 6000 records races a ring
+    # against a sleep across two processes; a lost wake-up would sleep out its timeout.
+    outbound = SendArena(str(tmp_path), 2, 64 << 10, lane_bytes=LANE)
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    echo = multiprocessing.get_context("fork").Process(
+        target=_echo, args=(str(tmp_path), outbound.offer().SerializeToString(), theirs)
+    )
+    echo.start()
+    try:
+        assert ours.poll(30), "the echoing process did not start"
+        inbound, refusal = ReceiveArena.open(str(tmp_path), peer_pb2.SharedMemoryOffer.FromString(ours.recv()))
+        assert inbound is not None, refusal
+        for i in range(ROUND_TRIPS):
+            assert outbound.lane.try_send(str(i).encode(), memoryview(b""))
+            assert _next_record_or_sleep(inbound.lane) == str(i).encode()
+        assert ours.poll(30) and ours.recv() == "echoed"
+        ours.send("done")
+        echo.join(timeout=30)
+        assert echo.exitcode == 0
+        inbound.close()
+    finally:
+        if echo.is_alive():
+            echo.kill()
+        echo.join(timeout=10)
