@@ -77,7 +77,7 @@ class ArraySink(Sink):
         self._bytes = self._out.reshape(-1).view(np.uint8)
 
     def write(self, offset: int, data: memoryview) -> None:
-        self._started()[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        self._started().data[offset : offset + len(data)] = memoryview(data).cast("B")
 
     def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
         return self._started()[offset : offset + nbytes].data
