@@ -6,14 +6,13 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import grpc
 
 from elasticdl_strategy.coordinator.membership import Membership
 from elasticdl_strategy.errors import (
     AuthenticationError,
-    CollectiveMismatchError,
     CollectiveTimeoutError,
     JobFinished,
     RendezvousError,
@@ -216,18 +215,23 @@ class CoordinatorClient:
         membership_version: int,
         commit_id: int,
         position: coordinator_pb2.DataPosition,
-        leaving: bool,
+        leaving_workers: Sequence[str],
         timeout: float,
         on_unavailable: Optional[Callable[[], None]] = None,
     ) -> coordinator_pb2.CommitResponse:
-        """Waits until every member committed ``commit_id`` (recorded) or the membership changed.
+        """Records commit ``commit_id``, which every member agreed on, for all of them
+        (``leaving_workers`` leave at it); one member (rank 0) calls this.
 
         ``on_unavailable`` runs when the coordinator cannot be reached or no
         longer knows this membership (it restarted); the call then retries.
 
+        Returns:
+            the coordinator's answer: recorded, or not (the membership changed), and the
+            membership to continue in.
+
         Raises:
-            CollectiveTimeoutError: some members did not commit within ``timeout`` (names them).
-            CollectiveMismatchError: the members committed different ids or data positions.
+            CollectiveTimeoutError: no answer within ``timeout``.
+            grpc.RpcError: the coordinator refused the commit (a leaver that is not a member).
         """
         deadline, pauses = Deadline(timeout), backoff()
         request = coordinator_pb2.CommitRequest(
@@ -235,30 +239,24 @@ class CoordinatorClient:
             membership_version=membership_version,
             commit_id=commit_id,
             position=position,
-            leaving=leaving,
+            leaving_workers=list(leaving_workers),
             incarnation=self.incarnation,
         )
         reason = "no answer from the coordinator"
         while not deadline.expired():
             try:
-                response = self._call(self._stub.Commit, request, _RPC_TIMEOUT_S + 30.0)
+                response = self._call(self._stub.Commit, request, _RPC_TIMEOUT_S)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise CollectiveMismatchError(f"worker {self.worker_id}: commit refused: {e.details()}") from None
                 if not retryable(e):
                     raise
                 reason = f"the coordinator at {self.address} is unreachable ({e.code().name})"
                 deadline.pause_at_most(next(pauses))
                 continue
-            if response.recorded or response.membership_version > membership_version:
-                return response
             if response.membership_version < membership_version and on_unavailable is not None:
                 reason = f"the coordinator no longer knows membership version {membership_version}"
                 on_unavailable()  # it restarted: re-register, then retry
                 continue
-            if response.membership_version != membership_version:
-                return response
-            reason = response.reason
+            return response
         raise CollectiveTimeoutError(
             f"worker {self.worker_id}: commit #{commit_id} not recorded within {timeout:g}s: {reason}"
         )

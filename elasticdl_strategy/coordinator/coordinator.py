@@ -12,8 +12,9 @@ After that, membership changes are published as new versions:
   is removed at once: survivors re-form and roll back to the last commit;
 * a worker that registers while a membership trains waits, and joins at the
   next commit, so every member switches at the same step;
-* a commit (``Commit``) is a barrier over the members: it is recorded, with the
-  data position every rank reported, only when all members sent it.
+* a commit (``Commit``) is recorded as one member (rank 0) sends it once all
+  members agreed on it by a collective vote (:mod:`elasticdl_strategy.elastic.agreement`):
+  one call per commit, whatever the number of workers.
 
 A restarted coordinator recovers: workers re-register with the membership and
 last commit they know, and it adopts the newest.
@@ -23,7 +24,7 @@ takes the lock, changes the state, and returns an answer — or ``None`` where
 the caller is to wait for the next change (:attr:`Coordinator.changes`) and
 ask again. Health probes are the caller's too. The gRPC service around it
 (:mod:`~elasticdl_strategy.coordinator.service`) does the waiting and the
-probing in an event loop, so a long poll or a commit barrier holds no thread.
+probing in an event loop, so a long poll holds no thread.
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import grpc
 
 from elasticdl_strategy.coordinator.changes import Changes
 from elasticdl_strategy.coordinator.membership import EMPTY, Member, Membership
-from elasticdl_strategy.coordinator.position import Position
 from elasticdl_strategy.coordinator.shards import DatasetSpec, ShardTables
 from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.errors import ConfigError, ElasticDLError, UsageError
@@ -47,7 +47,7 @@ from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)
 
-# Longest a GetMembership call or a commit barrier may block, so that callers' deadlines stay short.
+# Longest a GetMembership call may block, so that callers' deadlines stay short.
 MAX_MEMBERSHIP_WAIT_S = 30.0
 # Heartbeats the coordinator asks for per second at most: a job that may grow past this many workers
 # per heartbeat interval heartbeats less often (each heartbeat costs the coordinator's one event
@@ -125,17 +125,6 @@ class _Worker:
     incarnation: str = ""  # the registering process; "" when unknown (adopted from another worker's report)
 
 
-@dataclasses.dataclass
-class _Barrier:
-    """Commits received for one commit id in one membership version."""
-
-    version: int
-    commit_id: int
-    position: coordinator_pb2.DataPosition
-    arrived: Dict[str, bool] = dataclasses.field(default_factory=dict)  # worker id -> leaving
-    error: str = ""
-
-
 class Coordinator:
     """The membership state of a job, and every decision about it.
 
@@ -163,7 +152,6 @@ class Coordinator:
         self._membership = EMPTY
         self._min_reached_at: Optional[float] = None
         self._last_commit = coordinator_pb2.CommitRecord()
-        self._barrier: Optional[_Barrier] = None
         self._finished = False
         self._stopped = False
         self.shards = ShardTables()
@@ -231,7 +219,6 @@ class Coordinator:
             return
         old = self._membership
         self._membership = Membership(old.version + 1, members, reason)
-        self._barrier = None
         waiting = (
             "" if self._ready(self._membership) else f"; below --min-workers={self.params.counts.min_workers}, waiting"
         )
@@ -388,7 +375,6 @@ class Coordinator:
                     member.worker_id, member.address, self._joins, now, True, reported
                 )
         self._membership = membership
-        self._barrier = None
         if request.last_commit.commit_id > self._last_commit.commit_id:
             self._last_commit.CopyFrom(request.last_commit)
         self.changes.notify()
@@ -494,40 +480,34 @@ class Coordinator:
 
     # ---- commits --------------------------------------------------------------------------
 
-    def enter_commit(self, request) -> Tuple[Optional[coordinator_pb2.CommitResponse], Optional[_Barrier]]:
-        """Adds a member's commit to the barrier.
+    def commit(self, request) -> coordinator_pb2.CommitResponse:
+        """Records the commit that every member of ``request.membership_version`` agreed on
+        (sent by one of them, rank 0); ``request.leaving_workers`` leave the job here.
 
         Returns:
-            ``(answer, None)`` when there is no need to wait, else ``(None, barrier)``:
-            ask :meth:`commit_answer` with that barrier after each change.
-        """
-        with self._lock:
-            response = self._enter_commit(request)
-            if response is not None:
-                return response, None
-            if self._is_recorded(request):  # this was the last member to arrive
-                return self._commit_response(True, "recorded"), None
-            return None, self._barrier
-
-    def commit_answer(
-        self, request, barrier: _Barrier, waited_out: bool = False
-    ) -> Optional[coordinator_pb2.CommitResponse]:
-        """The answer to a commit waiting at ``barrier``, or ``None`` while it should wait on.
+            ``recorded`` with the membership to continue in (leavers gone, joiners admitted), or
+            not recorded when the membership changed since (a member failed: all roll back).
 
         Raises:
-            Refusal: the members disagree (commit ids or data positions): ``FAILED_PRECONDITION``.
+            Refusal: a leaver that is not a member (``INVALID_ARGUMENT``).
         """
         with self._lock:
-            if self._is_recorded(request):
+            if self._replaced(request.worker_id, request.incarnation):
+                return self._commit_response(False, "a newer process registered under this worker id")
+            self._touch(request.worker_id)
+            if self._is_recorded(request):  # a retry whose answer was lost
                 return self._commit_response(True, "recorded")
-            if barrier.error:
-                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, barrier.error)
-            if self._barrier is barrier and not (waited_out or self._stopped):
-                return None
-            if self._membership.version != request.membership_version:
-                return self._commit_response(False, self._membership.reason)
-            missing = [m.worker_id for m in self._membership.members if m.worker_id not in barrier.arrived]
-            return self._commit_response(False, f"still waiting for {missing}")
+            m = self._membership
+            if request.membership_version != m.version or m.rank_of(request.worker_id) < 0:
+                return self._commit_response(False, f"membership changed to version {m.version} ({m.reason})")
+            strangers = sorted(w for w in set(request.leaving_workers) if m.rank_of(w) < 0)
+            if strangers:
+                raise Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{strangers} leave at commit #{request.commit_id} but are not members of version {m.version}",
+                )
+            self._record(request)
+            return self._commit_response(True, "recorded")
 
     def _is_recorded(self, request) -> bool:
         last = self._last_commit
@@ -538,49 +518,15 @@ class Coordinator:
             recorded=recorded, membership_version=self._membership.version, reason=reason
         )
 
-    def _enter_commit(self, request) -> Optional[coordinator_pb2.CommitResponse]:
-        """Adds ``request`` to the barrier (lock held); returns a response when there is no need to wait."""
-        if self._replaced(request.worker_id, request.incarnation):
-            return self._commit_response(False, "a newer process registered under this worker id")
-        self._touch(request.worker_id)
-        if self._is_recorded(request):
-            return self._commit_response(True, "recorded")
-        m = self._membership
-        if request.membership_version != m.version or m.rank_of(request.worker_id) < 0:
-            return self._commit_response(False, f"membership changed to version {m.version} ({m.reason})")
-        barrier = self._barrier
-        if barrier is None or barrier.commit_id != request.commit_id:
-            if barrier is not None and barrier.arrived:
-                barrier.error = (
-                    f"{request.worker_id} commits #{request.commit_id} while "
-                    f"{sorted(barrier.arrived)} commit #{barrier.commit_id}: every worker must commit at the same steps"
-                )
-                self.changes.notify()
-                return None
-            barrier = self._barrier = _Barrier(m.version, request.commit_id, request.position)
-        if request.position != barrier.position:
-            barrier.error = (
-                f"{request.worker_id} commits #{request.commit_id} at data position "
-                f"({Position.from_proto(request.position)}) but {sorted(barrier.arrived)} at "
-                f"({Position.from_proto(barrier.position)}): the workers disagree on the data consumed"
-            )
-            self.changes.notify()
-            return None
-        barrier.arrived[request.worker_id] = request.leaving
-        if len(barrier.arrived) == m.size:  # only members of version m arrive at its barriers
-            self._record(barrier)
-        return None
-
-    def _record(self, barrier: _Barrier) -> None:
+    def _record(self, request) -> None:
         self._last_commit = coordinator_pb2.CommitRecord(
-            commit_id=barrier.commit_id, membership_version=barrier.version, position=barrier.position
+            commit_id=request.commit_id, membership_version=request.membership_version, position=request.position
         )
-        leaving = [worker_id for worker_id, leaves in barrier.arrived.items() if leaves]
+        leaving = sorted(set(request.leaving_workers))
         for worker_id in leaving:
             self._workers[worker_id].alive = False
-        self._barrier = None
-        reason = f"{', '.join(leaving)} left gracefully at commit #{barrier.commit_id}" if leaving else ""
-        self._publish_if_changed(reason or f"workers joined at commit #{barrier.commit_id}", admit=True)
+        reason = f"{', '.join(leaving)} left gracefully at commit #{request.commit_id}" if leaving else ""
+        self._publish_if_changed(reason or f"workers joined at commit #{request.commit_id}", admit=True)
         self.changes.notify()
 
     # ---- data ---------------------------------------------------------------------------

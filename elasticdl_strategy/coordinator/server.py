@@ -33,7 +33,7 @@ class CoordinatorServer:
     """A :class:`Coordinator` served over gRPC with token auth and gRPC health.
 
     The server runs a ``grpc.aio`` event loop in a thread of its own: waiting
-    calls (long polls, commit barriers) are coroutines, the reaper a task.
+    calls (membership long polls) are coroutines, the reaper a task.
 
     Example::
 

@@ -1,7 +1,7 @@
 """The ``Coordinator`` gRPC service: a thin ``grpc.aio`` executor around :class:`Coordinator`.
 
 Every method asks the coordinator for an answer; where it has none yet (a
-long poll, a commit barrier) the call waits for the next state change as a
+membership long poll) the call waits for the next state change as a
 coroutine, so a thousand waiting workers cost no thread. Health probes of
 workers (a suspect in a failure report, a live process under a registering
 worker's id) are asynchronous too, and run concurrently.
@@ -123,12 +123,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     @_refusals_abort
     async def Commit(self, request, context):
-        c = self.coordinator
-        answer, barrier = c.enter_commit(request)
-        if barrier is None:
-            return answer
-        answer = await c.changes.wait_for(lambda: c.commit_answer(request, barrier), MAX_MEMBERSHIP_WAIT_S)
-        return answer or c.commit_answer(request, barrier, waited_out=True)
+        return self.coordinator.commit(request)
 
     @_refusals_abort
     async def GetShards(self, request, context):

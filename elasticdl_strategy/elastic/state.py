@@ -4,8 +4,9 @@ A state holds variables (TensorFlow or Keras), plain Python values and, if
 given, the :class:`~elasticdl_strategy.data.ElasticRecords` position.
 
 * :meth:`State.commit` snapshots it in memory and records the commit with the
-  coordinator, atomically across the workers: the commit counts only once
-  every member sent it (with the same data position).
+  coordinator, atomically across the workers: the members agree on it by a
+  collective vote (the same commit id and data position), then rank 0 records
+  it for all (:mod:`~elasticdl_strategy.elastic.agreement`).
 * :meth:`State.restore` rolls back to the last commit the job recorded.
 * :meth:`State.sync` copies rank 0's state (the oldest member) to everyone.
 """
@@ -22,6 +23,7 @@ import numpy as np
 
 from elasticdl_strategy import runtime
 from elasticdl_strategy.data.records import ElasticRecords, Position
+from elasticdl_strategy.elastic import agreement
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
 from elasticdl_strategy.elastic.snapshot import Snapshot
 from elasticdl_strategy.errors import (
@@ -168,7 +170,7 @@ class State:
     # commit / restore / sync ------------------------------------------------------------------
 
     def commit(self) -> None:
-        """Snapshots the state and records the commit with the coordinator (a barrier of all members).
+        """Snapshots the state and records the commit (a barrier of all members: :mod:`.agreement`).
 
         Raises:
             CommitAbortedError: the membership changed before every member
@@ -190,14 +192,7 @@ class State:
         if worker.client is None:  # a single worker: nobody to agree with
             response = coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
         else:
-            response = worker.client.commit(
-                version,
-                self.commit_id,
-                snapshot.position.to_proto(),
-                leaving=leaving,
-                timeout=worker.communicator.timeout_s,
-                on_unavailable=worker.reregister,
-            )
+            response = agreement.commit_for_all(worker, self.commit_id, snapshot.position, leaving)
         if not response.recorded:
             raise CommitAbortedError(
                 f"worker {worker.worker_id}: commit #{self.commit_id} not recorded: {response.reason}",

@@ -41,7 +41,7 @@ def test_a_commit_against_a_coordinator_that_is_down_pauses_between_attempts_unt
     client, calls = down
     started = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="unreachable"):
-        client.commit(1, 1, coordinator_pb2.DataPosition(), leaving=False, timeout=1.5)
+        client.commit(1, 1, coordinator_pb2.DataPosition(), leaving_workers=[], timeout=1.5)
     elapsed = time.monotonic() - started
     # Backoff 50 ms, doubling: about 6 attempts in 1.5 s (an unpaused loop made tens of thousands).
     assert 3 <= len(calls) <= 12, len(calls)

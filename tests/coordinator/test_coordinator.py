@@ -104,13 +104,14 @@ def test_missed_heartbeats_publish_a_new_version_without_the_dead_worker():
     assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="b")).known
 
 
-def commit(coordinator, worker_id, commit_id, version=None, leaving=False, epoch=0):
+def commit(coordinator, worker_id, commit_id, version=None, leaving=(), epoch=0):
+    """A commit the members agreed on, sent by ``worker_id`` (rank 0) for all of them."""
     request = pb.CommitRequest(
         worker_id=worker_id,
         membership_version=coordinator.membership.version if version is None else version,
         commit_id=commit_id,
         position=pb.DataPosition(epoch=epoch),
-        leaving=leaving,
+        leaving_workers=list(leaving),
     )
     return coordinator.Commit(request)
 
@@ -158,10 +159,8 @@ def test_a_restarted_process_under_a_members_id_replaces_it_and_joins_like_a_new
     assert c.membership.version == 2 and members(c) == ["b", "c"]
     assert "a restarted" in c.membership.reason
     assert response.joins_running_job and response.join_order == 4  # at the back, synced at a commit
-    waiting, b = in_thread(commit, c, "b", 1, version=2)  # a commit is a barrier of b and c
-    assert commit(c, "c", 1, version=2).membership_version == 3  # the newcomer joins there
-    waiting.join(timeout=10)
-    assert b["value"].recorded and b["value"].membership_version == 3
+    response = commit(c, "b", 1, version=2)  # b and c agreed on it
+    assert response.recorded and response.membership_version == 3  # the newcomer joins there
     assert members(c) == ["b", "c", "a"]
     # A retry from the same process changes nothing.
     assert register(c, "a", incarnation="second").join_order == 4 and c.membership.version == 3
@@ -266,58 +265,58 @@ def in_thread(fn, *args, **kwargs):
     return thread, result
 
 
-def test_a_commit_is_recorded_only_when_every_member_sent_it():
+def test_a_commit_one_member_sends_is_recorded_for_all_and_a_retry_says_so():
     c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
     register(c, "a")
     register(c, "b")
-    thread, result = in_thread(commit, c, "a", 1)
-    assert c.last_commit.commit_id == 0  # b has not committed: nothing is recorded
-    response = commit(c, "b", 1)
-    thread.join(timeout=10)
-    assert response.recorded and result["value"].recorded
-    assert c.last_commit.commit_id == 1 and c.last_commit.membership_version == 1
-    assert commit(c, "a", 1).recorded  # a retry of a recorded commit says so
+    response = commit(c, "a", 1, epoch=2)
+    assert response.recorded and response.membership_version == 1
+    assert c.last_commit.commit_id == 1 and c.last_commit.membership_version == 1 and c.last_commit.position.epoch == 2
+    assert commit(c, "a", 1, epoch=2).recorded  # a retry of a recorded commit says so
 
 
-def test_commits_at_different_data_positions_are_refused_on_every_member():
-    c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
-    register(c, "a")
-    register(c, "b")
-    thread, result = in_thread(lambda: pytest.raises(grpc.RpcError, commit, c, "a", 1, epoch=0))
-    with pytest.raises(grpc.RpcError, match=r"disagree on the data consumed"):
-        commit(c, "b", 1, epoch=1)
-    thread.join(timeout=10)
-    assert "disagree" in str(result["value"].value)
+def test_a_commit_from_a_stranger_or_of_an_old_membership_is_not_recorded():
+    c = Direct(CoordinatorParams(WorkerCounts.of(2, min_workers=1)), clock=FakeClock())
+    for wid in "abc":
+        register(c, wid)  # c: a standby
+    assert not commit(c, "c", 1).recorded
+    c.Leave(pb.LeaveRequest(worker_id="b"))  # version 2: a and c
+    response = commit(c, "a", 1, version=1)
+    assert not response.recorded and response.membership_version == 2 and "b left" in response.reason
     assert c.last_commit.commit_id == 0
 
 
-def test_a_member_dying_during_a_commit_aborts_it_for_the_others():
+def test_a_member_dying_before_the_commit_arrives_aborts_it():
     clock = FakeClock()
     c = Direct(
         CoordinatorParams(WorkerCounts.of(2, min_workers=1), heartbeat_interval_s=1, heartbeat_timeout_s=5), clock=clock
     )
     register(c, "a")
     register(c, "b")
-    thread, result = in_thread(commit, c, "a", 1)
     clock.now += 6
     c._touch("a")
     c.reap()  # b is silent: declared dead, version 2
-    thread.join(timeout=10)
-    assert not result["value"].recorded and result["value"].membership_version == 2
+    response = commit(c, "a", 1, version=1)  # the members had agreed on it before b died
+    assert not response.recorded and response.membership_version == 2
     assert c.last_commit.commit_id == 0 and members(c) == ["a"]
 
 
-def test_a_worker_leaving_at_a_commit_is_removed_when_it_is_recorded():
+def test_workers_leaving_at_a_commit_are_removed_when_it_is_recorded():
     c = Direct(CoordinatorParams(WorkerCounts.of(3, min_workers=1)), clock=FakeClock())
     for wid in "abc":
         register(c, wid)
-    threads = [in_thread(commit, c, wid, 4, leaving=wid == "b") for wid in "ac"]
-    response = commit(c, "b", 4, leaving=True)
-    for thread, _ in threads:
-        thread.join(timeout=10)
-    assert response.recorded and all(result["value"].recorded for _, result in threads)
-    assert all(result["value"].membership_version == 2 for _, result in threads)
-    assert members(c) == ["a", "c"] and "left gracefully" in c.membership.reason
+    response = commit(c, "a", 4, leaving=["b"])
+    assert response.recorded and response.membership_version == 2
+    assert members(c) == ["a", "c"] and "b left gracefully at commit #4" in c.membership.reason
+
+
+def test_a_commit_naming_a_leaver_that_is_not_a_member_is_refused():
+    c = Direct(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
+    register(c, "a")
+    register(c, "b")
+    with pytest.raises(grpc.RpcError, match=r"\['x'\] leave at commit #1 but are not members"):
+        commit(c, "a", 1, leaving=["b", "x"])
+    assert c.last_commit.commit_id == 0 and members(c) == ["a", "b"]
 
 
 def test_a_reported_peer_that_does_not_answer_is_removed():
@@ -450,13 +449,13 @@ class socket_port:
         self._socket.close()
 
 
-def test_waiting_commits_of_many_workers_hold_no_thread_and_heartbeats_go_on():
-    # Every member's Commit waits at the barrier until the last one arrives: 80 of them, each on a
-    # connection of its own as from 80 worker processes, wait as coroutines, and a heartbeat is
-    # answered at once meanwhile.
+def test_waiting_long_polls_of_many_workers_hold_no_thread_and_heartbeats_go_on():
+    # 80 workers, each on a connection of its own as from 80 worker processes, wait for the next
+    # membership as coroutines, a heartbeat is answered at once meanwhile, and a commit at which
+    # one of them leaves answers them all.
     n = 80
     token = new_token()
-    params = CoordinatorParams(WorkerCounts.of(n), heartbeat_interval_s=1, heartbeat_timeout_s=30)
+    params = CoordinatorParams(WorkerCounts.of(n, min_workers=1), heartbeat_interval_s=1, heartbeat_timeout_s=30)
     server = CoordinatorServer(params, "127.0.0.1:0", token, TransportOptions())
     metadata = call_metadata(token)
 
@@ -470,18 +469,22 @@ def test_waiting_commits_of_many_workers_hold_no_thread_and_heartbeats_go_on():
             version = server.coordinator.membership.version
             assert server.coordinator.membership.size == n
 
-            def commit(i):
-                request = pb.CommitRequest(worker_id=f"w{i}", membership_version=version, commit_id=1)
-                return stubs[i].Commit(request, metadata=metadata, timeout=20)
+            def poll(i):
+                request = pb.GetMembershipRequest(worker_id=f"w{i}", after_version=version, wait_s=20)
+                return stubs[i].GetMembership(request, metadata=metadata, timeout=25)
 
             threads = threading.active_count()
-            waiting = [asyncio.ensure_future(commit(i)) for i in range(n - 1)]
-            await wait_until(lambda: arrived(server.coordinator) == n - 1)
+            waiting = [asyncio.ensure_future(poll(i)) for i in range(n - 1)]
+            await wait_until(lambda: sum(server.coordinator._waiting.values()) == n - 1)
             assert threading.active_count() <= threads + 2  # not one per waiting call
             beat = await stubs[0].Heartbeat(pb.HeartbeatRequest(worker_id="w0"), metadata=metadata, timeout=1)
             assert beat.known and not any(call.done() for call in waiting)
-            last = await commit(n - 1)
-            assert last.recorded and all(r.recorded for r in await asyncio.gather(*waiting))
+            request = pb.CommitRequest(
+                worker_id="w0", membership_version=version, commit_id=1, leaving_workers=[f"w{n - 1}"]
+            )
+            assert (await stubs[0].Commit(request, metadata=metadata, timeout=5)).recorded
+            answers = await asyncio.gather(*waiting)
+            assert all(a.membership.version == version + 1 and len(a.membership.members) == n - 1 for a in answers)
         finally:
             for channel in channels:
                 await channel.close()
@@ -490,11 +493,6 @@ def test_waiting_commits_of_many_workers_hold_no_thread_and_heartbeats_go_on():
         asyncio.run(main())
     finally:
         server.stop(0)
-
-
-def arrived(coordinator):
-    barrier = coordinator._barrier
-    return 0 if barrier is None else len(barrier.arrived)
 
 
 async def wait_until(condition, timeout=20.0):

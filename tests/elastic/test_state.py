@@ -102,9 +102,9 @@ def test_a_sigterm_while_a_commit_waits_makes_the_worker_leave_at_the_next_commi
     sent = []
 
     class Client:
-        def commit(self, version, commit_id, position, leaving, timeout, on_unavailable):
-            sent.append(leaving)
-            state.leave_requested = True  # SIGTERM arrives while the barrier waits for the others
+        def commit(self, version, commit_id, position, leaving_workers, timeout, on_unavailable):
+            sent.append(list(leaving_workers))
+            state.leave_requested = True  # SIGTERM arrives while the commit is being recorded
             return coordinator_pb2.CommitResponse(recorded=True, membership_version=version)
 
     assert worker.client is None  # a single worker: give it a coordinator for this test only
@@ -115,4 +115,4 @@ def test_a_sigterm_while_a_commit_waits_makes_the_worker_leave_at_the_next_commi
             state.commit()  # sent as leaving: it leaves here
     finally:
         worker._client = None
-    assert sent == [False, True]
+    assert sent == [[], [worker.worker_id]]

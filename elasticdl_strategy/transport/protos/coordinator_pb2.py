@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5elasticdl_strategy/transport/protos/coordinator.proto\x12\x1e\x65lasticdl_strategy.coordinator\",\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"f\n\nMembership\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x37\n\x07members\x18\x02 \x03(\x0b\x32&.elasticdl_strategy.coordinator.Member\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xcd\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12>\n\nmembership\x18\x03 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x41\n\x0blast_commit\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"_\n\x10RegisterResponse\x12\x12\n\njoin_order\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x19\n\x11joins_running_job\x18\x03 \x01(\x08\"<\n\x0c\x44\x61taPosition\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x03\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x03\"}\n\x0c\x43ommitRecord\x12\x11\n\tcommit_id\x18\x01 \x01(\x03\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12>\n\x08position\x18\x03 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\"\xb7\x01\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tcommit_id\x18\x03 \x01(\x03\x12>\n\x08position\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"N\n\x0e\x43ommitResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x08\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"u\n\rFailureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x10\n\x08suspects\x18\x03 \x03(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"3\n\x15\x46\x61ilureReportResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\"j\n\x0b\x44\x61tasetSpec\x12\x13\n\x0bnum_records\x18\x01 \x01(\x03\x12\x12\n\nshard_size\x18\x02 \x01(\x03\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"o\n\x10GetShardsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\x04spec\x18\x02 \x01(\x0b\x32+.elasticdl_strategy.coordinator.DatasetSpec\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"1\n\x11GetShardsResponse\x12\x0e\n\x06starts\x18\x01 \x03(\x03\x12\x0c\n\x04\x65nds\x18\x02 \x03(\x03\"e\n\x14GetMembershipRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\x80\x02\n\x15GetMembershipResponse\x12>\n\nmembership\x18\x01 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x12\n\nregistered\x18\x02 \x01(\x05\x12\x13\n\x0bmin_workers\x18\x03 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x04 \x01(\x05\x12\x41\n\x0blast_commit\x18\x05 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x14\n\x0cjob_finished\x18\x06 \x01(\x08\x12\x10\n\x08replaced\x18\x07 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"P\n\x11HeartbeatResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08replaced\x18\x03 \x01(\x08\"X\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"+\n\rLeaveResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x32\xa4\x06\n\x0b\x43oordinator\x12m\n\x08Register\x12/.elasticdl_strategy.coordinator.RegisterRequest\x1a\x30.elasticdl_strategy.coordinator.RegisterResponse\x12|\n\rGetMembership\x12\x34.elasticdl_strategy.coordinator.GetMembershipRequest\x1a\x35.elasticdl_strategy.coordinator.GetMembershipResponse\x12p\n\tHeartbeat\x12\x30.elasticdl_strategy.coordinator.HeartbeatRequest\x1a\x31.elasticdl_strategy.coordinator.HeartbeatResponse\x12\x64\n\x05Leave\x12,.elasticdl_strategy.coordinator.LeaveRequest\x1a-.elasticdl_strategy.coordinator.LeaveResponse\x12g\n\x06\x43ommit\x12-.elasticdl_strategy.coordinator.CommitRequest\x1a..elasticdl_strategy.coordinator.CommitResponse\x12u\n\rReportFailure\x12-.elasticdl_strategy.coordinator.FailureReport\x1a\x35.elasticdl_strategy.coordinator.FailureReportResponse\x12p\n\tGetShards\x12\x30.elasticdl_strategy.coordinator.GetShardsRequest\x1a\x31.elasticdl_strategy.coordinator.GetShardsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n5elasticdl_strategy/transport/protos/coordinator.proto\x12\x1e\x65lasticdl_strategy.coordinator\",\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"f\n\nMembership\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x37\n\x07members\x18\x02 \x03(\x0b\x32&.elasticdl_strategy.coordinator.Member\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xcd\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12>\n\nmembership\x18\x03 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x41\n\x0blast_commit\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"_\n\x10RegisterResponse\x12\x12\n\njoin_order\x18\x01 \x01(\x03\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x19\n\x11joins_running_job\x18\x03 \x01(\x08\"<\n\x0c\x44\x61taPosition\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x03\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x03\"}\n\x0c\x43ommitRecord\x12\x11\n\tcommit_id\x18\x01 \x01(\x03\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12>\n\x08position\x18\x03 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\"\xc5\x01\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x11\n\tcommit_id\x18\x03 \x01(\x03\x12>\n\x08position\x18\x04 \x01(\x0b\x32,.elasticdl_strategy.coordinator.DataPosition\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x17\n\x0fleaving_workers\x18\x07 \x03(\tJ\x04\x08\x05\x10\x06\"N\n\x0e\x43ommitResponse\x12\x10\n\x08recorded\x18\x01 \x01(\x08\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"u\n\rFailureReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x10\n\x08suspects\x18\x03 \x03(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"3\n\x15\x46\x61ilureReportResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\"j\n\x0b\x44\x61tasetSpec\x12\x13\n\x0bnum_records\x18\x01 \x01(\x03\x12\x12\n\nshard_size\x18\x02 \x01(\x03\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x0f\n\x07shuffle\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"o\n\x10GetShardsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\x04spec\x18\x02 \x01(\x0b\x32+.elasticdl_strategy.coordinator.DatasetSpec\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"1\n\x11GetShardsResponse\x12\x0e\n\x06starts\x18\x01 \x03(\x03\x12\x0c\n\x04\x65nds\x18\x02 \x03(\x03\"e\n\x14GetMembershipRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\x80\x02\n\x15GetMembershipResponse\x12>\n\nmembership\x18\x01 \x01(\x0b\x32*.elasticdl_strategy.coordinator.Membership\x12\x12\n\nregistered\x18\x02 \x01(\x05\x12\x13\n\x0bmin_workers\x18\x03 \x01(\x05\x12\x13\n\x0bmax_workers\x18\x04 \x01(\x05\x12\x41\n\x0blast_commit\x18\x05 \x01(\x0b\x32,.elasticdl_strategy.coordinator.CommitRecord\x12\x14\n\x0cjob_finished\x18\x06 \x01(\x08\x12\x10\n\x08replaced\x18\x07 \x01(\x08\"V\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1a\n\x12membership_version\x18\x02 \x01(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"P\n\x11HeartbeatResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x12\r\n\x05known\x18\x02 \x01(\x08\x12\x10\n\x08replaced\x18\x03 \x01(\x08\"X\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"+\n\rLeaveResponse\x12\x1a\n\x12membership_version\x18\x01 \x01(\x03\x32\xa4\x06\n\x0b\x43oordinator\x12m\n\x08Register\x12/.elasticdl_strategy.coordinator.RegisterRequest\x1a\x30.elasticdl_strategy.coordinator.RegisterResponse\x12|\n\rGetMembership\x12\x34.elasticdl_strategy.coordinator.GetMembershipRequest\x1a\x35.elasticdl_strategy.coordinator.GetMembershipResponse\x12p\n\tHeartbeat\x12\x30.elasticdl_strategy.coordinator.HeartbeatRequest\x1a\x31.elasticdl_strategy.coordinator.HeartbeatResponse\x12\x64\n\x05Leave\x12,.elasticdl_strategy.coordinator.LeaveRequest\x1a-.elasticdl_strategy.coordinator.LeaveResponse\x12g\n\x06\x43ommit\x12-.elasticdl_strategy.coordinator.CommitRequest\x1a..elasticdl_strategy.coordinator.CommitResponse\x12u\n\rReportFailure\x12-.elasticdl_strategy.coordinator.FailureReport\x1a\x35.elasticdl_strategy.coordinator.FailureReportResponse\x12p\n\tGetShards\x12\x30.elasticdl_strategy.coordinator.GetShardsRequest\x1a\x31.elasticdl_strategy.coordinator.GetShardsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITRECORD']._serialized_start=606
   _globals['_COMMITRECORD']._serialized_end=731
   _globals['_COMMITREQUEST']._serialized_start=734
-  _globals['_COMMITREQUEST']._serialized_end=917
-  _globals['_COMMITRESPONSE']._serialized_start=919
-  _globals['_COMMITRESPONSE']._serialized_end=997
-  _globals['_FAILUREREPORT']._serialized_start=999
-  _globals['_FAILUREREPORT']._serialized_end=1116
-  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1118
-  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1169
-  _globals['_DATASETSPEC']._serialized_start=1171
-  _globals['_DATASETSPEC']._serialized_end=1277
-  _globals['_GETSHARDSREQUEST']._serialized_start=1279
-  _globals['_GETSHARDSREQUEST']._serialized_end=1390
-  _globals['_GETSHARDSRESPONSE']._serialized_start=1392
-  _globals['_GETSHARDSRESPONSE']._serialized_end=1441
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1443
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1544
-  _globals['_GETMEMBERSHIPRESPONSE']._serialized_start=1547
-  _globals['_GETMEMBERSHIPRESPONSE']._serialized_end=1803
-  _globals['_HEARTBEATREQUEST']._serialized_start=1805
-  _globals['_HEARTBEATREQUEST']._serialized_end=1891
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1893
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1973
-  _globals['_LEAVEREQUEST']._serialized_start=1975
-  _globals['_LEAVEREQUEST']._serialized_end=2063
-  _globals['_LEAVERESPONSE']._serialized_start=2065
-  _globals['_LEAVERESPONSE']._serialized_end=2108
-  _globals['_COORDINATOR']._serialized_start=2111
-  _globals['_COORDINATOR']._serialized_end=2915
+  _globals['_COMMITREQUEST']._serialized_end=931
+  _globals['_COMMITRESPONSE']._serialized_start=933
+  _globals['_COMMITRESPONSE']._serialized_end=1011
+  _globals['_FAILUREREPORT']._serialized_start=1013
+  _globals['_FAILUREREPORT']._serialized_end=1130
+  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1132
+  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1183
+  _globals['_DATASETSPEC']._serialized_start=1185
+  _globals['_DATASETSPEC']._serialized_end=1291
+  _globals['_GETSHARDSREQUEST']._serialized_start=1293
+  _globals['_GETSHARDSREQUEST']._serialized_end=1404
+  _globals['_GETSHARDSRESPONSE']._serialized_start=1406
+  _globals['_GETSHARDSRESPONSE']._serialized_end=1455
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1457
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1558
+  _globals['_GETMEMBERSHIPRESPONSE']._serialized_start=1561
+  _globals['_GETMEMBERSHIPRESPONSE']._serialized_end=1817
+  _globals['_HEARTBEATREQUEST']._serialized_start=1819
+  _globals['_HEARTBEATREQUEST']._serialized_end=1905
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1907
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1987
+  _globals['_LEAVEREQUEST']._serialized_start=1989
+  _globals['_LEAVEREQUEST']._serialized_end=2077
+  _globals['_LEAVERESPONSE']._serialized_start=2079
+  _globals['_LEAVERESPONSE']._serialized_end=2122
+  _globals['_COORDINATOR']._serialized_start=2125
+  _globals['_COORDINATOR']._serialized_end=2929
 # @@protoc_insertion_point(module_scope)

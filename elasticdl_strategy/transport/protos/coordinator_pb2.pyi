@@ -69,20 +69,20 @@ class CommitRecord(_message.Message):
     def __init__(self, commit_id: _Optional[int] = ..., membership_version: _Optional[int] = ..., position: _Optional[_Union[DataPosition, _Mapping]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "membership_version", "commit_id", "position", "leaving", "incarnation")
+    __slots__ = ("worker_id", "membership_version", "commit_id", "position", "incarnation", "leaving_workers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMMIT_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
-    LEAVING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     membership_version: int
     commit_id: int
     position: DataPosition
-    leaving: bool
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., commit_id: _Optional[int] = ..., position: _Optional[_Union[DataPosition, _Mapping]] = ..., leaving: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    leaving_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., commit_id: _Optional[int] = ..., position: _Optional[_Union[DataPosition, _Mapping]] = ..., incarnation: _Optional[str] = ..., leaving_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("recorded", "membership_version", "reason")
