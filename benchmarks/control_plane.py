@@ -134,14 +134,26 @@ class SimulatedWorker:
         import grpc
 
         await asyncio.sleep(random.uniform(0, self.interval_s))  # spread, as processes started apart are
+        stream = None
         while self.heartbeating:
             request = self.pb.HeartbeatRequest(
                 worker_id=self.worker_id, membership_version=self.membership.version, incarnation=self.incarnation
             )
-            try:
-                response = await self.stub.Heartbeat(request, timeout=5.0, metadata=self.metadata)
-            except grpc.aio.AioRpcError:
-                response = None  # the coordinator is down (the restart phase): try again next interval
+            # One stream of heartbeats, opened again when it breaks: at once, as CoordinatorClient's
+            # reader learns of the break when it happens (this loop only at its next heartbeat).
+            response = None
+            for fresh in (stream is None, True):
+                try:
+                    stream = stream or self.stub.Heartbeats(metadata=self.metadata)
+                    await stream.write(request)
+                    response = await asyncio.wait_for(stream.read(), 5.0)
+                except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+                    response = None
+                if response is not None and response is not grpc.aio.EOF:
+                    break
+                response, stream = None, None  # broken; if it was new, the coordinator is down: next interval
+                if fresh:
+                    break
             if response is not None and not response.known:
                 try:
                     registered = await self.register(with_state=True)  # as Worker.reregister after a restart

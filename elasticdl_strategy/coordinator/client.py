@@ -6,7 +6,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import grpc
 
@@ -174,25 +174,37 @@ class CoordinatorClient:
                     "or start more workers / lower --min-workers)"
                 )
 
-    def heartbeat(self, membership_version: int) -> coordinator_pb2.HeartbeatResponse:
-        request = coordinator_pb2.HeartbeatRequest(
-            worker_id=self.worker_id, membership_version=membership_version, incarnation=self.incarnation
-        )
-        return self._call(self._stub.Heartbeat, request, _RPC_TIMEOUT_S)
-
     def start_heartbeats(
         self, current_version: Callable[[], int], on_response: Callable[[coordinator_pb2.HeartbeatResponse], None]
     ) -> None:
-        """Heartbeats every ``heartbeat_interval_s`` in a daemon thread, passing each response on."""
+        """Heartbeats every ``heartbeat_interval_s`` in a daemon thread, passing each response on.
+
+        The heartbeats are the messages of one stream to the coordinator, opened again (after an
+        interval, with a heartbeat at once) when it breaks: the coordinator restarted, or could
+        not be reached.
+        """
+
+        def requests() -> Iterator[coordinator_pb2.HeartbeatRequest]:
+            while True:
+                yield coordinator_pb2.HeartbeatRequest(
+                    worker_id=self.worker_id, membership_version=current_version(), incarnation=self.incarnation
+                )
+                if self._stop.wait(self.heartbeat_interval_s):
+                    return
 
         def loop():
-            while not self._stop.wait(self.heartbeat_interval_s):
+            while not self._stop.is_set():
+                call = self._stub.Heartbeats(requests(), metadata=self._metadata)
                 try:
-                    on_response(self.heartbeat(current_version()))
+                    for response in call:
+                        try:
+                            on_response(response)
+                        except Exception:
+                            logger.exception("heartbeat handler failed")
                 except grpc.RpcError as e:
-                    logger.warning("heartbeat failed: %s", e.code().name)
-                except Exception:
-                    logger.exception("heartbeat handler failed")
+                    if not self._stop.is_set():
+                        logger.warning("heartbeat stream ended: %s; opening it again", e.code().name)
+                self._stop.wait(self.heartbeat_interval_s)
 
         self._heartbeats = threading.Thread(target=loop, name="edl-heartbeat", daemon=True)
         self._heartbeats.start()

@@ -107,8 +107,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             c.waiting(request.worker_id, False)
         return answer or c.membership_answer(request, waited_out=True)
 
-    async def Heartbeat(self, request, context):
-        return self.coordinator.heartbeat(request)
+    async def Heartbeats(self, request_iterator, context):
+        async for request in request_iterator:
+            yield self.coordinator.heartbeat(request)
 
     async def Leave(self, request, context):
         return self.coordinator.leave(request)

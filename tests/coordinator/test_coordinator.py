@@ -1,6 +1,7 @@
 """Rendezvous: ranks by join order, formation, heartbeats, leaving, timeouts."""
 
 import asyncio
+import queue
 import threading
 import time
 
@@ -96,12 +97,12 @@ def test_missed_heartbeats_publish_a_new_version_without_the_dead_worker():
     assert c.membership.version == 1
     clock.now += 4
     for wid in "ac":
-        assert c.Heartbeat(pb.HeartbeatRequest(worker_id=wid)).known
+        assert c.heartbeat(pb.HeartbeatRequest(worker_id=wid)).known
     clock.now += 2  # b silent for 6 s
     c.reap()
     assert c.membership.version == 2 and members(c) == ["a", "c"]
     assert "b missed heartbeats" in c.membership.reason
-    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="b")).known
+    assert not c.heartbeat(pb.HeartbeatRequest(worker_id="b")).known
 
 
 def commit(coordinator, worker_id, commit_id, version=None, leaving=(), epoch=0):
@@ -388,7 +389,7 @@ def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declare
 
     c.probe = probe
     c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=1, suspects=["s"], reason="x"))
-    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="s", incarnation="second")).known
+    assert c.heartbeat(pb.HeartbeatRequest(worker_id="s", incarnation="second")).known
 
 
 def test_the_dataset_is_registered_once_and_shards_differ_per_epoch():
@@ -418,12 +419,12 @@ def test_a_restarted_coordinator_adopts_the_membership_and_commit_workers_report
     assert c.last_commit.commit_id == 12 and c.last_commit.position.cursor == 40
     assert commit(c, "a", 12, version=7).recorded  # a member whose reply was lost learns it
     # a, adopted from b's report, is asked to register itself (its heartbeat is "unknown") ...
-    assert not c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7)).known
+    assert not c.heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7)).known
     # ... and when it knows a later commit of the same membership, the newest wins.
     later = pb.CommitRecord(commit_id=13, membership_version=7, position=pb.DataPosition(epoch=1, cursor=48))
     c.Register(pb.RegisterRequest(worker_id="a", address="h:a", membership=known, last_commit=later))
     assert c.last_commit.commit_id == 13
-    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7)).known
+    assert c.heartbeat(pb.HeartbeatRequest(worker_id="a", membership_version=7)).known
 
 
 def test_a_finished_job_releases_standbys():
@@ -477,8 +478,11 @@ def test_waiting_long_polls_of_many_workers_hold_no_thread_and_heartbeats_go_on(
             waiting = [asyncio.ensure_future(poll(i)) for i in range(n - 1)]
             await wait_until(lambda: sum(server.coordinator._waiting.values()) == n - 1)
             assert threading.active_count() <= threads + 2  # not one per waiting call
-            beat = await stubs[0].Heartbeat(pb.HeartbeatRequest(worker_id="w0"), metadata=metadata, timeout=1)
+            heartbeats = stubs[0].Heartbeats(metadata=metadata, timeout=5)
+            await heartbeats.write(pb.HeartbeatRequest(worker_id="w0"))
+            beat = await asyncio.wait_for(heartbeats.read(), 1)
             assert beat.known and not any(call.done() for call in waiting)
+            await heartbeats.done_writing()
             request = pb.CommitRequest(
                 worker_id="w0", membership_version=version, commit_id=1, leaving_workers=[f"w{n - 1}"]
             )
@@ -510,15 +514,15 @@ def test_a_replaced_process_is_told_to_stop_and_cannot_keep_its_successor_alive(
     register(c, "a", incarnation="first")
     register(c, "b", incarnation="first")
     register(c, "a", "h:new", incarnation="second")  # the old "a" hung, a new process took its id
-    old = c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="first"))
+    old = c.heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="first"))
     assert old.replaced and not old.known
     waiting = c.GetMembership(pb.GetMembershipRequest(worker_id="a", incarnation="first", wait_s=30))
     assert waiting.replaced  # at once: the old process must not wait for, or be handed, a membership
     clock.now += 6  # only the old process "heartbeats": the new one is declared dead, not kept alive by it
-    c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"))
+    c.heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"))
     c.reap()
     assert "a" not in members(c)
-    new = c.Heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"))
+    new = c.heartbeat(pb.HeartbeatRequest(worker_id="b", incarnation="first"))
     assert new.known and not new.replaced
 
 
@@ -529,7 +533,11 @@ def test_a_client_whose_id_was_taken_by_a_new_process_raises_worker_replaced(ser
     try:
         old.register("127.0.0.1:1", timeout=5)
         new.register("127.0.0.1:1", timeout=5)  # same address: a restart in place
-        assert old.heartbeat(0).replaced and not new.heartbeat(0).replaced
+        answers = {client: queue.Queue() for client in (old, new)}
+        for client, answered in answers.items():
+            client.heartbeat_interval_s = 0.05
+            client.start_heartbeats(lambda: 0, answered.put)
+        assert answers[old].get(timeout=5).replaced and not answers[new].get(timeout=5).replaced
         with pytest.raises(WorkerReplaced, match="a new process registered under this worker id"):
             old.wait_for_membership(0, timeout=5)
     finally:
@@ -550,7 +558,7 @@ def test_a_replaced_process_cannot_leave_commit_or_report_for_its_successor():
     c.ReportFailure(pb.FailureReport(worker_id="a", membership_version=version, incarnation="first"))
     c.Leave(pb.LeaveRequest(worker_id="a", reason="exiting", incarnation="first"))
     assert c.membership.version == version and members(c) == ["b", "a"]
-    assert c.Heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="second")).known
+    assert c.heartbeat(pb.HeartbeatRequest(worker_id="a", incarnation="second")).known
 
 
 def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_its_successors_rank():

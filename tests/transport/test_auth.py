@@ -150,10 +150,11 @@ def test_coordinator_rejects_calls_without_the_token_and_keeps_its_state(metadat
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            heartbeats = lambda request, **kwargs: list(stub.Heartbeats(iter([request]), **kwargs))  # noqa: E731
             for call, request in [
                 (stub.Register, coordinator_pb2.RegisterRequest(worker_id="intruder", address="127.0.0.1:1")),
                 (stub.Leave, coordinator_pb2.LeaveRequest(worker_id="intruder")),
-                (stub.Heartbeat, coordinator_pb2.HeartbeatRequest(worker_id="intruder")),
+                (heartbeats, coordinator_pb2.HeartbeatRequest(worker_id="intruder")),
             ]:
                 with pytest.raises(grpc.RpcError) as info:
                     call(request, metadata=metadata, timeout=5)
