@@ -28,6 +28,9 @@ EDL_SPIN_US                microseconds a caller polls a lane before it sleeps
                            (default 200; 0: sleep at once)
 EDL_DATA_SOCKET            1 (default): streams not in shared memory move their
                            frames to a direct TCP data socket; 0: gRPC only
+EDL_HIERARCHICAL           1 (default): large all-reduces of a job with several workers
+                           on some of its several hosts go within hosts, then between
+                           one leader per host; 0: the flat ring
 EDL_TLS_CERT/KEY/CA        PEM files for TLS (optional)
 EDL_LOCAL_RANK             this worker process's slot on its host, 0 .. EDL_LOCAL_SIZE-1
                            (default 0): with several GPUs visible, AllReduceStrategy

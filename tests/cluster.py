@@ -25,7 +25,8 @@ def transport_options(transport: str, **kwargs) -> TransportOptions:
 
 class ThreadCluster:
     """``n`` communicators in this process, each with its own peer server; ``options``
-    may be one per rank (e.g. ranks that cannot see each other's shared memory).
+    may be one per rank (e.g. ranks that cannot see each other's shared memory), and
+    ``hosts`` the host each rank stands for (all ranks share this one by default).
 
     Example::
 
@@ -38,6 +39,7 @@ class ThreadCluster:
         n: int,
         options: Union[None, TransportOptions, Sequence[TransportOptions]] = None,
         token: Optional[str] = None,
+        hosts: Optional[Sequence[str]] = None,
     ):
         self.token = token or new_token()
         options = options or TransportOptions(timeout_s=20.0, connect_timeout_s=5.0)
@@ -51,7 +53,7 @@ class ThreadCluster:
                 worker_ids=[f"w{i}" for i in range(n)],
             )  # fmt: skip
             server.set_listener(1, p2p)
-            self.communicators.append(Communicator(p2p))
+            self.communicators.append(Communicator(p2p, hosts=hosts))
         self._pool = futures.ThreadPoolExecutor(max_workers=n)
 
     @property

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from elasticdl_strategy.collective import compression as wire_compression
-from elasticdl_strategy.collective import cost_model, direct, recursive_doubling, ring
+from elasticdl_strategy.collective import cost_model, direct, hierarchical, recursive_doubling, ring
 from elasticdl_strategy.collective.dtypes import as_supported_array, check_reduce_op, dtype_name
 from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint
 from elasticdl_strategy.errors import (
@@ -30,6 +30,7 @@ from elasticdl_strategy.errors import (
     PeerFailureError,
     UsageError,
 )
+from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.protos import peer_pb2
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,12 @@ class Communicator:
     Collectives must be called from one thread at a time, in the same order on every rank.
     """
 
-    def __init__(self, p2p: PointToPoint, timeout_s: Optional[float] = None):
+    def __init__(self, p2p: PointToPoint, timeout_s: Optional[float] = None, hosts: Optional[Sequence[str]] = None):
         self.p2p = p2p
         self.timeout_s = timeout_s if timeout_s is not None else p2p.options.timeout_s
+        # Which ranks share a host: from their addresses unless given (tests stand in for hosts).
+        groups = hierarchical.host_groups(hosts if hosts is not None else [host_of(a) for a in p2p.addresses])
+        self._host_groups = groups if p2p.options.hierarchical and hierarchical.applies(groups) else None
         self._lock = threading.Lock()
         self._sequence = 0
         self._current: Optional[peer_pb2.CollectiveDescriptor] = None
@@ -156,7 +160,11 @@ class Communicator:
         call = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
         with self._running(call):
             if self.size > 1:
-                _ALLREDUCE[cost_model.choose(result.nbytes, self.size)](call, result.reshape(-1), ufunc)
+                algorithm = cost_model.choose(result.nbytes, self.size)
+                if algorithm == "ring" and self._host_groups is not None:
+                    hierarchical.allreduce(call, result.reshape(-1), ufunc, self._host_groups)
+                else:
+                    _ALLREDUCE[algorithm](call, result.reshape(-1), ufunc)
                 call.finish_sends()
         if op == "mean":
             np.divide(result, self.size, out=result, casting="unsafe")

@@ -89,6 +89,20 @@ class CollectiveCall:
         self.sends = []
 
 
+class _Ring:
+    """The ring through ``members`` (ranks, in ring order; default all): this rank's position
+    in it and its neighbours."""
+
+    __slots__ = ("size", "position", "left", "right")
+
+    def __init__(self, call: CollectiveCall, members: Optional[Sequence[int]] = None):
+        rank = call.p2p.rank
+        members = range(call.p2p.size) if members is None else members
+        self.size, self.position = len(members), members.index(rank)
+        self.left = members[(self.position - 1) % self.size]
+        self.right = members[(self.position + 1) % self.size]
+
+
 def reduce_scatter(
     call: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], ufunc: Callable, owned: int
 ) -> None:
@@ -96,16 +110,19 @@ def reduce_scatter(
 
     Afterwards segment ``(rank + owned) % N`` of ``flat`` holds the reduction over all ranks.
     """
-    _run(call, flat, bounds, owned - 1, _post_reduce_scatter(call, flat, bounds, ufunc, owned))
+    ring = _Ring(call)
+    _run(call, ring, flat, bounds, owned - 1, _post_reduce_scatter(call, ring, flat, bounds, ufunc, owned))
 
 
 def allgather(call: CollectiveCall, flat: np.ndarray, bounds: Sequence[Tuple[int, int]], owned: int) -> None:
     """Ring all-gather in place on the 1-D ``flat``, each rank starting with segment ``(rank + owned) % N``."""
-    _run(call, flat, bounds, owned, _post_allgather(call, flat, bounds, owned))
+    ring = _Ring(call)
+    _run(call, ring, flat, bounds, owned, _post_allgather(call, ring, flat, bounds, owned))
 
 
-def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
-    """Bandwidth-optimal ring all-reduce in place on the 1-D ``flat``.
+def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable, members: Optional[Sequence[int]] = None) -> None:
+    """Bandwidth-optimal ring all-reduce in place on the 1-D ``flat``, among ``members`` (ranks in
+    ring order, this one included; default all).
 
     Every receive of both phases is posted before the first send, each into its
     own segment, so a neighbour running ahead has its data reduced or stored as
@@ -113,34 +130,34 @@ def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     is safe: a segment's data only reaches this rank after this rank's own use
     of that segment (its send, or its reduction) is complete.
     """
-    bounds = even_bounds(flat.size, call.p2p.size)
-    reduced = _post_reduce_scatter(call, flat, bounds, ufunc, owned=1)
-    gathered = _post_allgather(call, flat, bounds, owned=1)
-    _run(call, flat, bounds, 0, reduced)
-    _run(call, flat, bounds, 1, gathered)
+    ring = _Ring(call, members)
+    bounds = even_bounds(flat.size, ring.size)
+    reduced = _post_reduce_scatter(call, ring, flat, bounds, ufunc, owned=1)
+    gathered = _post_allgather(call, ring, flat, bounds, owned=1)
+    _run(call, ring, flat, bounds, 0, reduced)
+    _run(call, ring, flat, bounds, 1, gathered)
 
 
-def _post_reduce_scatter(call: CollectiveCall, flat, bounds, ufunc: Callable, owned: int) -> List[Request]:
-    """Receives of reduce-scatter step s (from the left, reduced into segment rank + owned - 2 - s)."""
-    n, rank, left = call.p2p.size, call.p2p.rank, (call.p2p.rank - 1) % call.p2p.size
-    segments = [bounds[(rank + owned - 2 - s) % n] for s in range(n - 1)]
-    return [call.recv_reduce(flat[a:b], ufunc, left) for a, b in segments]
+def _post_reduce_scatter(call: CollectiveCall, ring: _Ring, flat, bounds, ufunc: Callable, owned: int) -> List[Request]:
+    """Receives of reduce-scatter step s (from the left, reduced into segment position + owned - 2 - s)."""
+    n, position = ring.size, ring.position
+    segments = [bounds[(position + owned - 2 - s) % n] for s in range(n - 1)]
+    return [call.recv_reduce(flat[a:b], ufunc, ring.left) for a, b in segments]
 
 
-def _post_allgather(call: CollectiveCall, flat, bounds, owned: int) -> List[Request]:
-    """Receives of all-gather step s (from the left, into segment rank + owned - 1 - s)."""
-    n, rank, left = call.p2p.size, call.p2p.rank, (call.p2p.rank - 1) % call.p2p.size
-    segments = [bounds[(rank + owned - 1 - s) % n] for s in range(n - 1)]
-    return [call.recv_into(flat[a:b], left) for a, b in segments]
+def _post_allgather(call: CollectiveCall, ring: _Ring, flat, bounds, owned: int) -> List[Request]:
+    """Receives of all-gather step s (from the left, into segment position + owned - 1 - s)."""
+    n, position = ring.size, ring.position
+    segments = [bounds[(position + owned - 1 - s) % n] for s in range(n - 1)]
+    return [call.recv_into(flat[a:b], ring.left) for a, b in segments]
 
 
-def _run(call: CollectiveCall, flat, bounds, first: int, requests: List[Request]) -> None:
-    """Sends segment rank + first - s to the right at step s, then waits for receive s
-    (whose segment, rank + first - 1 - s, is the one sent at step s + 1)."""
-    n, rank, right = call.p2p.size, call.p2p.rank, (call.p2p.rank + 1) % call.p2p.size
+def _run(call: CollectiveCall, ring: _Ring, flat, bounds, first: int, requests: List[Request]) -> None:
+    """Sends segment position + first - s to the right at step s, then waits for receive s
+    (whose segment, position + first - 1 - s, is the one sent at step s + 1)."""
     for s, request in enumerate(requests):
-        a, b = bounds[(rank + first - s) % n]
-        call.send(flat[a:b], right)
+        a, b = bounds[(ring.position + first - s) % ring.size]
+        call.send(flat[a:b], ring.right)
         call.wait(request)
 
 

@@ -149,6 +149,10 @@ class TransportOptions:
             carries the payloads too; with shared memory, the small frames
             naming slots. gRPC stays the control path. With ``tls``, the
             data socket uses the same certificates.
+        hierarchical: when some host runs several workers of a job that spans
+            several hosts, large all-reduces reduce within each host, cross
+            between hosts once per host and come back
+            (:mod:`elasticdl_strategy.collective.hierarchical`); False: the flat ring.
     """
 
     chunk_size: int = 4 * MiB
@@ -165,6 +169,7 @@ class TransportOptions:
     shm_lane_bytes: int = 4 * MiB
     spin_us: float = 200.0
     data_socket: bool = True
+    hierarchical: bool = True
 
     def __post_init__(self) -> None:
         if not (64 << 10) <= self.chunk_size <= 64 * MiB or self.chunk_size % 64:
@@ -227,9 +232,14 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
-        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_SPIN_US``, ``EDL_DATA_SOCKET`` (0 or 1) and TLS."""
+        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_SPIN_US``, ``EDL_DATA_SOCKET``,
+        ``EDL_HIERARCHICAL`` (both 0 or 1) and TLS."""
         kwargs: Dict[str, Any] = {"tls": TLSConfig.from_env(env)}
-        for var, name in (("EDL_SHARED_MEMORY", "shared_memory"), ("EDL_DATA_SOCKET", "data_socket")):
+        for var, name in (
+            ("EDL_SHARED_MEMORY", "shared_memory"),
+            ("EDL_DATA_SOCKET", "data_socket"),
+            ("EDL_HIERARCHICAL", "hierarchical"),
+        ):
             flag = env.get(var)
             if flag:
                 if flag not in ("0", "1"):

@@ -131,6 +131,7 @@ def test_a_message_delivered_while_another_stream_thread_aborts_gets_the_abort_n
         size=3,
         options=TransportOptions(),
         mailbox=SlowAbortMailbox(rank=2),
+        addresses=["h:1", "h:2", "h:3"],
         membership_version=1,
         worker_ids=["w0", "w1", "w2"],
         header_observer=None,

@@ -8,8 +8,6 @@ Needs root and ``ip netns`` (skipped otherwise).
 
 import json
 import os
-import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +15,7 @@ import time
 import pytest
 
 from elasticdl_strategy.transport.auth import new_token
+from tests import netns
 from tests.launch import transport_env, worker_script
 
 pytestmark = pytest.mark.slow
@@ -24,36 +23,11 @@ pytestmark = pytest.mark.slow
 HEARTBEAT_TIMEOUT_S = 4.0
 
 
-def _ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def two_hosts():
     """``(namespace_a, address_a, namespace_b, address_b, cut)``; ``cut()`` takes b's end of the link down."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and the ip command for network namespaces")
-    tag = secrets.token_hex(3)
-    a, b, subnet = f"edl{tag}a", f"edl{tag}b", f"10.251.{int(tag[:2], 16)}"
-    try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b")
-        for ns, side, host in ((a, "a", 1), (b, "b", 2)):
-            _ip("link", "set", f"v{tag}{side}", "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", f"v{tag}{side}")
-            _ip("-n", ns, "link", "set", f"v{tag}{side}", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as e:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        pytest.skip(f"network namespaces unavailable: {e.stderr.decode().strip()}")
-    try:
-        # Cut on b's side: host a keeps its link up, so its packets to b vanish without any error.
-        yield a, f"{subnet}.1", b, f"{subnet}.2", lambda: _ip("-n", b, "link", "set", f"v{tag}b", "down")
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    with netns.two_hosts_or_skip() as hosts:
+        yield hosts
 
 
 def _wait_for(predicate, timeout, what):
