@@ -6,7 +6,9 @@ order, 3 times with them interleaved). Here each host's lowest rank, its leader,
 arrays of its host's workers into its own (in rank order: the same additions on every run),
 the leaders all-reduce among themselves by the ring (2(H-1)/H of the array between H hosts,
 once per host), and each leader sends the result to its host's workers. Every rank ends with
-the leaders' ring result: the same bits everywhere.
+the leaders' ring result: the same bits everywhere. The array goes through this in pieces of
+:data:`PIECE_BYTES`, so that the work within a host on one piece overlaps the ring of the one
+before on the link between hosts.
 
 Which ranks share a host comes from the addresses the coordinator hands out
 (:func:`host_groups`); the communicator picks this for arrays the flat ring would take, when
@@ -16,7 +18,7 @@ some host has more than one worker and there is more than one host, unless
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -41,21 +43,44 @@ def applies(groups: Sequence[Sequence[int]]) -> bool:
     return len(groups) > 1 and any(len(group) > 1 for group in groups)
 
 
+PIECE_BYTES = 4 << 20  # the pipeline's unit: a host's reduction of one piece overlaps the ring of the last
+
+
+def pieces(nbytes: int, itemsize: int) -> List[Tuple[int, int]]:
+    """Element ranges of the pieces of a ``nbytes`` array (one piece when it is small).
+
+    >>> pieces(10 << 20, 4)
+    [(0, 1048576), (1048576, 2097152), (2097152, 2621440)]
+    """
+    per_piece = max(1, PIECE_BYTES // itemsize)
+    elements = nbytes // itemsize
+    return [(start, min(start + per_piece, elements)) for start in range(0, max(elements, 1), per_piece)]
+
+
 def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable, groups: Sequence[Sequence[int]]) -> None:
-    """All-reduces the 1-D ``flat`` in place: to each host's leader, around the leaders, back out."""
+    """All-reduces the 1-D ``flat`` in place: to each host's leader, around the leaders, back out,
+    piece by piece, so that the host's transfers of one piece overlap the ring of the one before."""
     rank = call.p2p.rank
     local = next(group for group in groups if rank in group)
-    leader = local[0]
+    leader, members = local[0], local[1:]
+    spans = pieces(flat.nbytes, flat.itemsize)
     if rank != leader:
-        # Posted before the send: the result only comes once the leader has all of this array.
-        result = call.recv_into(flat, leader)
-        call.send(flat, leader)
-        call.wait(result)
+        # Posted before the sends: a piece's result only comes once the leader has that piece from here.
+        results = [call.recv_into(flat[a:b], leader) for a, b in spans]
+        for a, b in spans:
+            call.send(flat[a:b], leader)
+        for result in results:
+            call.wait(result)
         return
-    for member in local[1:]:  # one at a time, in rank order
-        call.wait(call.recv_reduce(flat, ufunc, member))
     leaders = [group[0] for group in groups]
-    if len(leaders) > 1:
-        ring.allreduce(call, flat, ufunc, members=leaders)
-    for member in local[1:]:
-        call.send(flat, member)
+    # Every member's pieces are received (and reduced) in rank order, piece by piece: the first
+    # member's are posted now, each next member's piece once the one before it was reduced in.
+    incoming = {members[0]: [call.recv_reduce(flat[a:b], ufunc, members[0]) for a, b in spans]} if members else {}
+    for index, (a, b) in enumerate(spans):
+        for position, member in enumerate(members):
+            request = incoming[member][index] if position == 0 else call.recv_reduce(flat[a:b], ufunc, member)
+            call.wait(request)
+        if len(leaders) > 1:
+            ring.allreduce(call, flat[a:b], ufunc, members=leaders)
+        for member in members:
+            call.send(flat[a:b], member)

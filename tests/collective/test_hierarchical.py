@@ -12,7 +12,7 @@ from elasticdl_strategy.errors import CommunicationError
 from tests.cluster import ThreadCluster, transport_options
 from tests.collective.reference import assert_close, assert_identical, make_input, reduce_reference
 
-LARGE = 3 * 4 * (1 << 18)  # 3 MiB of float32: the ring's, divisible by 2 and 3 hosts
+LARGE = 3 << 20  # bytes: the ring's size, one piece, divisible by 2 and 3 hosts in any dtype
 
 
 def test_host_groups_keep_rank_order_and_apply_only_across_hosts_with_several_workers():
@@ -23,22 +23,30 @@ def test_host_groups_keep_rank_order_and_apply_only_across_hosts_with_several_wo
 
 
 @pytest.mark.parametrize(
-    "hosts", [("a", "a", "b", "b"), ("a", "b", "a", "b"), ("a", "a", "b"), ("a", "a", "a", "b"), ("a", "b", "b", "c")]
+    "hosts, nbytes",
+    [
+        (("a", "a", "b", "b"), LARGE),
+        (("a", "b", "a", "b"), LARGE),
+        (("a", "a", "b"), LARGE),
+        (("a", "a", "a", "b"), LARGE),
+        (("a", "b", "b", "c"), LARGE),
+        (("a", "a", "b", "b"), 10 << 20),  # in pieces of 4, 4 and 2 MiB
+        (("a", "a", "a", "b"), 10 << 20),
+    ],
 )
 @pytest.mark.parametrize("transport", ["shared-memory", "data-socket"])
-def test_every_rank_gets_the_same_bits_and_sends_what_the_hierarchy_says(hosts, transport):
+def test_every_rank_gets_the_same_bits_and_sends_what_the_hierarchy_says(hosts, nbytes, transport):
     n = len(hosts)
     groups = hierarchical.host_groups(hosts)
-    assert cost_model.choose(LARGE, n) == "ring"
+    assert cost_model.choose(nbytes, n) == "ring"
     with ThreadCluster(n, transport_options(transport), hosts=hosts) as cluster:
         for op, dtype in (("sum", "float32"), ("max", "int64")):
-            inputs = [make_input(7, r, (LARGE // 4,), dtype, op) for r in range(n)]
+            inputs = [make_input(7, r, (nbytes // np.dtype(dtype).itemsize,), dtype, op) for r in range(n)]
             before = [c.p2p.bytes_sent for c in cluster.communicators]
             results = cluster.run(lambda c: c.allreduce(inputs[c.rank], op=op))
             sent = [c.p2p.bytes_sent - b for c, b in zip(cluster.communicators, before)]
             assert_identical(results)
             assert_close(results[0], reduce_reference(inputs, op))
-            nbytes = inputs[0].nbytes
             for group in groups:
                 for member in group[1:]:
                     assert sent[member] == nbytes, (hosts, sent)  # its array to the leader, nothing else
