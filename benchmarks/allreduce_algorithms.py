@@ -57,22 +57,25 @@ def worker(sizes: List[int], repeats: int, results: Path) -> int:
     runtime.init()
     rank, n = runtime.rank(), runtime.size()
     seconds: Dict[str, Dict[str, float]] = {}
-    for algorithm in cost_model.ALGORITHMS:
-        cost_model.choose = lambda nbytes, size, path=None, a=algorithm: a  # type: ignore[assignment]
-        for nbytes in sizes:
-            x = np.ones(nbytes // 4, np.float32)
-            times = []
-            count = repeats if nbytes < 4 << 20 else max(3, repeats // 3)
-            for i in range(3 + count):
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        count = repeats if nbytes < 4 << 20 else max(3, repeats // 3)
+        times: Dict[str, List[float]] = {a: [] for a in cost_model.ALGORITHMS}
+        # The algorithms take turns in three rounds: none is measured only while the job is cold.
+        for turn in range(3 * len(cost_model.ALGORITHMS)):
+            algorithm = cost_model.ALGORITHMS[turn % len(cost_model.ALGORITHMS)]
+            cost_model.choose = lambda nbytes, size, path=None, a=algorithm: a  # type: ignore[assignment]
+            for i in range(2 + -(-count // 3)):
                 x.fill(1.0)
                 runtime.barrier()
                 start = time.perf_counter()
                 runtime.allreduce(x, out=x)
-                if i >= 3:
-                    times.append(time.perf_counter() - start)
-            if not (x[0] == n and x[-1] == n):
-                raise RuntimeError(f"{algorithm} {nbytes}: wrong result {x[0]}, {x[-1]}")
-            seconds.setdefault(algorithm, {})[str(nbytes)] = statistics.median(times)
+                if i >= 2:
+                    times[algorithm].append(time.perf_counter() - start)
+                if not (x[0] == n and x[-1] == n):
+                    raise RuntimeError(f"{algorithm} {nbytes}: wrong result {x[0]}, {x[-1]}")
+        for algorithm, measured in times.items():
+            seconds.setdefault(algorithm, {})[str(nbytes)] = statistics.median(measured)
     if rank == 0:
         results.write_text(json.dumps(seconds))
     runtime.shutdown()

@@ -28,8 +28,11 @@ def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable) -> None:
     for r in peers:
         call.wait(requests[r])
     call.finish_sends()  # flat is overwritten below
-    if p2p.rank != 0:  # rank 0's own array already is the start of the sum
-        contributions[p2p.rank] = flat.copy()
-        np.copyto(flat, contributions[0])
-    for r in range(1, p2p.size):
+    if p2p.rank == 0:  # its own array is the start of the sum
+        first = 1
+    else:  # rank 1's own array is the second operand, read as the sum is written; later ranks' are kept
+        contributions[p2p.rank] = flat if p2p.rank == 1 else flat.copy()
+        ufunc(contributions[0], contributions[1], out=flat)
+        first = 2
+    for r in range(first, p2p.size):
         ufunc(flat, contributions[r], out=flat)
