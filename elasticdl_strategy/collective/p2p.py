@@ -151,18 +151,22 @@ class _LaneReceive(Request):
         self._p2p = p2p
         self._key: Optional[Key] = key  # reserved, not posted; None once posted or taken
         self._sink = sink
+        self._taken = False  # the message came from the lane: the sink holds the result
 
     def done(self) -> bool:
         self._post()
         return super().done()
 
     def wait(self, timeout: Optional[float] = None):
+        if self._taken:
+            return self._sink.result()
         timeout = self._default_timeout if timeout is None else timeout
         key, self._key = self._key, None
         if key is not None:
             started = time.monotonic()
             try:
                 if self._p2p._take_from_lane(key, self._sink, timeout):
+                    self._taken = True
                     return self._sink.result()
             except CommunicationError as e:  # the message was taken, and did not fit: it stays the answer
                 self._future = futures.Future()

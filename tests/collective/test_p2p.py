@@ -294,7 +294,7 @@ def test_a_receive_into_a_buffer_reads_its_message_from_the_lane_in_the_callers_
     out = np.zeros(100)
     request = b.irecv(0, tag=10, out=out)
     a.send(np.arange(100.0), dst=1, tag=10)
-    assert request.wait(timeout=5) is out
+    assert request.wait(timeout=5) is out and request.wait(timeout=0) is out and request.done()
     np.testing.assert_array_equal(out, np.arange(100.0))
     assert posted == [] and b.messages_received == received + 1  # no mailbox entry, still counted
 
