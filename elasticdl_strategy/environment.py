@@ -11,6 +11,9 @@ EDL_BIND_HOST              interface the peer server listens on (default 127.0.0
 EDL_PEER_PORT              port of the peer server (default 0: any free port)
 EDL_DATA_PORT              port for direct data sockets (default 0: any free port)
 EDL_ADVERTISE_HOST         host peers dial (default: EDL_BIND_HOST, or the pod IP)
+EDL_HOST_ID                what tells this worker's host from others, for the
+                           hierarchical all-reduce (default: the advertised host;
+                           on Kubernetes the node's name)
 EDL_RENDEZVOUS_TIMEOUT     seconds to wait for a membership (default 120)
 EDL_TIMEOUT                default deadline of collectives and receives (default 60)
 EDL_CHUNK_SIZE             bytes per streamed chunk (default 4 MiB)
@@ -60,6 +63,7 @@ JOB_TOKEN = "EDL_JOB_TOKEN"
 WORKER_ID = "EDL_WORKER_ID"
 BIND_HOST = "EDL_BIND_HOST"
 ADVERTISE_HOST = "EDL_ADVERTISE_HOST"
+HOST_ID = "EDL_HOST_ID"
 RENDEZVOUS_TIMEOUT = "EDL_RENDEZVOUS_TIMEOUT"
 PEER_PORT = "EDL_PEER_PORT"
 DATA_PORT = "EDL_DATA_PORT"
@@ -129,6 +133,7 @@ class WorkerEnvironment:
     worker_id: str
     bind_host: str = "127.0.0.1"
     advertise_host: Optional[str] = None
+    host_id: str = ""
     peer_port: int = 0
     data_port: int = 0
     rendezvous_timeout_s: float = 120.0
@@ -163,6 +168,7 @@ class WorkerEnvironment:
             worker_id=worker_id,
             bind_host=bind_host,
             advertise_host=env.get(ADVERTISE_HOST) or None,
+            host_id=env.get(HOST_ID, ""),
             peer_port=peer_port,
             data_port=data_port,
             rendezvous_timeout_s=rendezvous_timeout,

@@ -41,6 +41,11 @@ def test_bad_environments_name_the_variable(extra, message):
         WorkerEnvironment.from_env({**BASE, **extra})
 
 
+def test_the_host_id_is_read_and_empty_by_default():
+    assert WorkerEnvironment.from_env({**BASE, "EDL_WORKER_ID": "w", "EDL_HOST_ID": "node-3"}).host_id == "node-3"
+    assert WorkerEnvironment.from_env({**BASE, "EDL_WORKER_ID": "w"}).host_id == ""
+
+
 def test_peer_and_data_ports_are_read():
     env = WorkerEnvironment.from_env({**BASE, "EDL_WORKER_ID": "w", "EDL_PEER_PORT": "50052", "EDL_DATA_PORT": "50053"})
     assert (env.peer_port, env.data_port) == (50052, 50053)

@@ -42,9 +42,10 @@ class CoordinatorClient:
         client.start_heartbeats(lambda: membership.version, on_response=lambda response: ...)
     """
 
-    def __init__(self, address: str, worker_id: str, token: str, options: TransportOptions):
+    def __init__(self, address: str, worker_id: str, token: str, options: TransportOptions, host: str = ""):
         self.address = address
         self.worker_id = worker_id
+        self.host = host  # sent with every registration: what tells this worker's host from others
         self.incarnation = secrets.token_hex(8)  # this process, as opposed to an earlier one with the same id
         self._metadata = call_metadata(token)
         self._channel = open_channel(address, options)
@@ -86,7 +87,7 @@ class CoordinatorClient:
         """
         deadline, pauses = Deadline(timeout), backoff()
         request = coordinator_pb2.RegisterRequest(
-            worker_id=self.worker_id, address=address, incarnation=self.incarnation
+            worker_id=self.worker_id, address=address, incarnation=self.incarnation, host=self.host
         )
         if membership is not None:
             request.membership.CopyFrom(membership.to_proto())

@@ -123,6 +123,7 @@ class _Worker:
     # own last commit (it may be newer).
     reported: bool = True
     incarnation: str = ""  # the registering process; "" when unknown (adopted from another worker's report)
+    host: str = ""  # as Member.host
 
 
 class Coordinator:
@@ -214,7 +215,7 @@ class Coordinator:
             if admit or not self._ready(self._membership):
                 taken = {w.worker_id for w in chosen}
                 chosen += [w for w in live if w.worker_id not in taken][: self.params.counts.max_workers - len(chosen)]
-        members = tuple(Member(w.worker_id, w.address) for w in chosen)
+        members = tuple(Member(w.worker_id, w.address, w.host) for w in chosen)
         if members == self._membership.members and not force:
             return
         old = self._membership
@@ -335,7 +336,12 @@ class Coordinator:
             join_order = self._joins
             self._workers.pop(request.worker_id, None)
             self._workers[request.worker_id] = _Worker(
-                request.worker_id, request.address, join_order, self._clock(), incarnation=request.incarnation
+                request.worker_id,
+                request.address,
+                join_order,
+                self._clock(),
+                incarnation=request.incarnation,
+                host=request.host,
             )
             logger.info("worker %s registered from %s (join #%d)", request.worker_id, request.address, join_order)
             if self._membership.version > 0 and self._ready(self._membership):
@@ -372,7 +378,7 @@ class Coordinator:
                 self._joins += 1
                 reported = member.worker_id == request.worker_id
                 self._workers[member.worker_id] = _Worker(
-                    member.worker_id, member.address, self._joins, now, True, reported
+                    member.worker_id, member.address, self._joins, now, True, reported, host=member.host
                 )
         self._membership = membership
         if request.last_commit.commit_id > self._last_commit.commit_id:

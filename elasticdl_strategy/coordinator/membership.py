@@ -6,6 +6,7 @@ import dataclasses
 import functools
 from typing import Dict, Tuple
 
+from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
 
@@ -13,6 +14,7 @@ from elasticdl_strategy.transport.protos import coordinator_pb2
 class Member:
     worker_id: str
     address: str
+    host: str = ""  # what tells hosts apart (a Kubernetes node's name); "": the address's host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,15 @@ class Membership:
     def addresses(self) -> Tuple[str, ...]:
         return tuple(m.address for m in self.members)
 
+    @property
+    def hosts(self) -> Tuple[str, ...]:
+        """The host of every rank: the one it reported, else its address's.
+
+        >>> Membership(1, (Member("a", "10.0.0.1:7000", "node-1"), Member("b", "10.0.0.2:7000"))).hosts
+        ('node-1', '10.0.0.2')
+        """
+        return tuple(m.host or host_of(m.address) for m in self.members)
+
     def rank_of(self, worker_id: str) -> int:
         """Returns the rank of ``worker_id``, or -1 when it is not a member."""
         return self._ranks.get(worker_id, -1)
@@ -56,13 +67,16 @@ class Membership:
     def _serialized(self) -> bytes:
         return coordinator_pb2.Membership(
             version=self.version,
-            members=[coordinator_pb2.Member(worker_id=m.worker_id, address=m.address) for m in self.members],
+            members=[
+                coordinator_pb2.Member(worker_id=m.worker_id, address=m.address, host=m.host) for m in self.members
+            ],
             reason=self.reason,
         ).SerializeToString()
 
     @classmethod
     def from_proto(cls, proto: coordinator_pb2.Membership) -> "Membership":
-        return cls(proto.version, tuple(Member(m.worker_id, m.address) for m in proto.members), proto.reason)
+        members = tuple(Member(m.worker_id, m.address, m.host) for m in proto.members)
+        return cls(proto.version, members, proto.reason)
 
 
 EMPTY = Membership(0, ())

@@ -112,7 +112,9 @@ class Worker:
         worker: Optional[Worker] = None
         try:
             address = f"{env.peer_host}:{server.port}"
-            client = CoordinatorClient(env.coordinator_address, env.worker_id, env.token, env.transport)
+            client = CoordinatorClient(
+                env.coordinator_address, env.worker_id, env.token, env.transport, host=env.host_id
+            )
             registered = client.register(address, timeout=env.rendezvous_timeout_s)
 
             # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
@@ -331,6 +333,6 @@ def _communicator_for(
         worker_id=worker_id,
         worker_ids=[m.worker_id for m in membership.members],
     )
-    communicator = Communicator(p2p)
+    communicator = Communicator(p2p, hosts=membership.hosts)
     server.set_listener(membership.version, p2p)
     return communicator

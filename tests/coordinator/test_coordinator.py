@@ -10,6 +10,7 @@ import pytest
 
 from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams, WorkerCounts
 from elasticdl_strategy.coordinator.client import CoordinatorClient
+from elasticdl_strategy.coordinator.membership import Membership
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.coordinator.service import CoordinatorService, health_probe
 from elasticdl_strategy.errors import ConfigError, RendezvousError, RendezvousTimeoutError, WorkerReplaced
@@ -115,6 +116,16 @@ def commit(coordinator, worker_id, commit_id, version=None, leaving=(), epoch=0)
         leaving_workers=list(leaving),
     )
     return coordinator.Commit(request)
+
+
+def test_the_host_a_worker_registers_with_reaches_every_member_and_survives_a_restart():
+    c = Direct(CoordinatorParams(WorkerCounts.of(3)), clock=FakeClock())
+    for wid, host in (("a", "node-1"), ("b", "node-1"), ("c", "")):
+        c.Register(pb.RegisterRequest(worker_id=wid, address=f"10.0.0.{ord(wid)}:7000", host=host))
+    assert c.membership.hosts == ("node-1", "node-1", "10.0.0.99")  # c: its address's host
+    restarted = Direct(CoordinatorParams(WorkerCounts.of(3)), clock=FakeClock())
+    restarted.Register(pb.RegisterRequest(worker_id="c", address="10.0.0.99:7000", membership=c.membership.to_proto()))
+    assert Membership.from_proto(restarted.membership.to_proto()).hosts == ("node-1", "node-1", "10.0.0.99")
 
 
 def test_leave_and_rejoin_get_new_versions_and_the_back_of_the_order():

@@ -208,6 +208,9 @@ def worker_pod(
         _field_env("EDL_POD_IP", "status.podIP"),
         {"name": "EDL_BIND_HOST", "value": "$(EDL_POD_IP)"},
         {"name": "EDL_ADVERTISE_HOST", "value": "$(EDL_POD_IP)"},
+        # Pods of one node are one host to the hierarchical all-reduce (with --shared-memory-host-path
+        # they share its memory too).
+        _field_env(environment.HOST_ID, "spec.nodeName"),
         {"name": "EDL_PEER_PORT", "value": str(WORKER_PORT)},
         {"name": "EDL_DATA_PORT", "value": str(DATA_PORT)},
         {"name": "EDL_RENDEZVOUS_TIMEOUT", "value": f"{config.rendezvous_timeout_s:g}"},

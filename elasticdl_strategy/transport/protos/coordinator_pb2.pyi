@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "address")
+    __slots__ = ("worker_id", "address", "host")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    host: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Membership(_message.Message):
     __slots__ = ("version", "members", "reason")
@@ -25,18 +27,20 @@ class Membership(_message.Message):
     def __init__(self, version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "membership", "last_commit", "incarnation")
+    __slots__ = ("worker_id", "address", "membership", "last_commit", "incarnation", "host")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMIT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     membership: Membership
     last_commit: CommitRecord
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., membership: _Optional[_Union[Membership, _Mapping]] = ..., last_commit: _Optional[_Union[CommitRecord, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    host: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., membership: _Optional[_Union[Membership, _Mapping]] = ..., last_commit: _Optional[_Union[CommitRecord, _Mapping]] = ..., incarnation: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("join_order", "heartbeat_interval_s", "joins_running_job")

@@ -107,6 +107,7 @@ def test_worker_pods_are_labelled_owned_probed_and_sized():
     env = {e["name"]: e for e in container["env"]}
     assert env["EDL_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # downward API
     assert env["EDL_ADVERTISE_HOST"]["value"] == "$(EDL_POD_IP)"
+    assert env["EDL_HOST_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}  # pods of a node: one host
     assert env["EDL_WORKER_ID"]["value"] == "worker-7" and env["LOG_LEVEL"]["value"] == "info"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": 50052}
