@@ -11,9 +11,9 @@ the leaders' ring result: the same bits everywhere. The array goes through this 
 before on the link between hosts.
 
 Which ranks share a host comes from the membership (:func:`host_groups` of what each worker
-reported, ``EDL_HOST_ID``, else its address's host); the communicator picks this for arrays the flat ring would take, when
-some host has more than one worker and there is more than one host, unless
-``EDL_HIERARCHICAL=0``.
+reported, ``EDL_HOST_ID``, else its address's host); the communicator picks this for arrays
+the flat ring would take, when some host has more than one worker and there is more than one
+host, unless ``EDL_HIERARCHICAL=0``.
 """
 
 from __future__ import annotations
