@@ -71,8 +71,7 @@ def run_job(hosts: netns.TwoHosts, out: Path, hierarchical: bool, interleaved: b
             sys.executable, "-m", "elasticdl_strategy", "coordinator", "--bind", hosts.address_a,
             "--port-file", str(port_file), "--workers", "4",
         ]  # fmt: skip
-        procs.append(subprocess.Popen(["ip", "netns", "exec", hosts.namespace_a, *coordinator], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(_start(["ip", "netns", "exec", hosts.namespace_a, *coordinator], env, log))
         _wait(port_file.exists, "the coordinator", procs)
         address = f"{hosts.address_a}:{port_file.read_text()}"
         a, b = (hosts.namespace_a, hosts.address_a), (hosts.namespace_b, hosts.address_b)
@@ -83,8 +82,7 @@ def run_job(hosts: netns.TwoHosts, out: Path, hierarchical: bool, interleaved: b
                               EDL_SHM_DIR=str(shm))  # fmt: skip
             argv = [sys.executable, os.path.abspath(__file__), "--worker", str(out), "--size", str(args.size),
                     "--repeats", str(args.repeats)]  # fmt: skip
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=worker_env, stdout=log,
-                                          stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(_start(["ip", "netns", "exec", ns, *argv], worker_env, log))
             # Ranks follow registration order: the next worker starts once this one registered.
             _wait(lambda n=i: _registered(out / "job.log") > n, "the worker's registration", procs)
         for p in procs[1:]:
@@ -95,6 +93,13 @@ def run_job(hosts: netns.TwoHosts, out: Path, hierarchical: bool, interleaved: b
     finally:
         stop(procs)
         log.close()
+
+
+def _start(argv: List[str], env: dict, log) -> subprocess.Popen:
+    """A process in a session of its own: ``stop`` ends it by its process group."""
+    return subprocess.Popen(
+        argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _registered(log: Path) -> int:

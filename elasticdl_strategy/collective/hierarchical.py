@@ -75,11 +75,10 @@ def allreduce(call: CollectiveCall, flat: np.ndarray, ufunc: Callable, groups: S
     leaders = [group[0] for group in groups]
     # Every member's pieces are received (and reduced) in rank order, piece by piece: the first
     # member's are posted now, each next member's piece once the one before it was reduced in.
-    incoming = {members[0]: [call.recv_reduce(flat[a:b], ufunc, members[0]) for a, b in spans]} if members else {}
+    first = [call.recv_reduce(flat[a:b], ufunc, members[0]) for a, b in spans] if members else []
     for index, (a, b) in enumerate(spans):
-        for position, member in enumerate(members):
-            request = incoming[member][index] if position == 0 else call.recv_reduce(flat[a:b], ufunc, member)
-            call.wait(request)
+        for member in members:
+            call.wait(first[index] if member == members[0] else call.recv_reduce(flat[a:b], ufunc, member))
         if len(leaders) > 1:
             ring.allreduce(call, flat[a:b], ufunc, members=leaders)
         for member in members:

@@ -58,7 +58,7 @@ def job(tmp_path):
                 command = ["ip", "netns", "exec", ns, sys.executable, script, str(tmp_path)]
                 workers[worker_id] = subprocess.Popen(command, env=worker_env)
                 procs.append(workers[worker_id])
-            files = {w: tmp_path / f"{w}.started" for w in workers}
+            files = {w: tmp_path / f"{w}-started.json" for w in workers}
             _wait_for(lambda: all(f.exists() for f in files.values()), 90, "every worker's first all-reduces", procs)
             yield workers, {w: json.loads(f.read_text()) for w, f in files.items()}, tmp_path
         finally:

@@ -1,20 +1,19 @@
 """Worker of test_hierarchical_hosts.py: large all-reduces between two hosts, two workers on each.
 
-argv: RESULTS_DIR. Writes ``{RESULTS_DIR}/{worker_id}.started`` (JSON: rank, the bytes it sent
+argv: RESULTS_DIR. Writes ``{RESULTS_DIR}/{worker_id}-started.json`` (rank, the bytes it sent
 in ``ROUNDS`` all-reduces, whether every result was exact, its shared-memory and data-socket
 peers), then all-reduces until one fails (a worker is killed) and writes
 ``{RESULTS_DIR}/{worker_id}.json`` with the error and when.
 """
 
-import json
 import os
 import sys
-import time
 
 import numpy as np
 
-from elasticdl_strategy import errors, runtime
+from elasticdl_strategy import runtime
 from tests.workers.report import write_named_report
+from tests.workers.until_failure import all_reduce_until_it_fails
 
 ROUNDS = 5
 
@@ -34,18 +33,8 @@ def main(results_dir: str) -> None:
         "shared_memory_peers": p2p.shared_memory_peers,
         "data_socket_peers": p2p.data_socket_peers,
     }
-    with open(os.path.join(results_dir, f".{worker_id}.tmp"), "w") as f:
-        json.dump(started, f)
-    os.replace(os.path.join(results_dir, f".{worker_id}.tmp"), os.path.join(results_dir, f"{worker_id}.started"))
-    outcome = {"rank": rank, "error": None}
-    try:
-        for _ in range(1_000_000):
-            runtime.allreduce(array)
-    except errors.ElasticDLError as e:
-        outcome.update(error=type(e).__name__, at=time.time(), message=str(e))
-    write_named_report(results_dir, worker_id, outcome)
-    runtime.shutdown()
-    sys.exit(3 if outcome["error"] else 0)
+    write_named_report(results_dir, f"{worker_id}-started", started)
+    all_reduce_until_it_fails(results_dir, worker_id, array, {"rank": rank})
 
 
 if __name__ == "__main__":

@@ -6,12 +6,11 @@ Writes ``{results_dir}/{worker_id}.started`` after its first all-reduces, then
 
 import os
 import sys
-import time
 
 import numpy as np
 
-from elasticdl_strategy import errors, runtime
-from tests.workers.report import write_named_report
+from elasticdl_strategy import runtime
+from tests.workers.until_failure import all_reduce_until_it_fails
 
 
 def main(results_dir: str) -> None:
@@ -21,16 +20,9 @@ def main(results_dir: str) -> None:
     for _ in range(5):
         runtime.allreduce(array)
     p2p = runtime.communicator().p2p
-    outcome = {"rank": runtime.rank(), "data_socket_peers": p2p.data_socket_peers, "error": None}
+    outcome = {"rank": runtime.rank(), "data_socket_peers": p2p.data_socket_peers}
     open(os.path.join(results_dir, f"{worker_id}.started"), "w").close()
-    try:
-        for _ in range(1_000_000):
-            runtime.allreduce(array)
-    except errors.ElasticDLError as e:
-        outcome.update(error=type(e).__name__, at=time.time(), message=str(e))
-    write_named_report(results_dir, worker_id, outcome)
-    runtime.shutdown()  # must not hang on threads blocked on the cut connections
-    sys.exit(3 if outcome["error"] else 0)
+    all_reduce_until_it_fails(results_dir, worker_id, array, outcome)
 
 
 if __name__ == "__main__":
