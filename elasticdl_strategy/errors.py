@@ -29,8 +29,7 @@ The hierarchy (``tests/test_errors.py`` checks it against the code)::
     │   └── IncompleteStream         (internal) a stream ended inside a message or without its goodbye
     ├── MembershipChangedInterrupt   (elastic) members join or leave at this commit
     ├── WorkerLeft               (elastic; also SystemExit(0)) no longer a member: its program should end
-    ├── KubernetesError          the Kubernetes API refused or failed a request
-    └── Refusal                  (internal, coordinator) a request answered with an error status
+    └── KubernetesError          the Kubernetes API refused or failed a request
 
 :func:`elasticdl_strategy.elastic.run` recovers from every CommunicationError
 except CollectiveMismatchError, handles MembershipChangedInterrupt, and raises WorkerLeft

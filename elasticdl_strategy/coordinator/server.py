@@ -10,7 +10,8 @@ import signal
 import threading
 from typing import List, Optional
 
-from elasticdl_strategy.coordinator.coordinator import Coordinator, CoordinatorParams
+from elasticdl_strategy.coordinator.coordinator import Coordinator
+from elasticdl_strategy.coordinator.params import CoordinatorParams
 from elasticdl_strategy.coordinator.service import CoordinatorService, health_probe
 from elasticdl_strategy.coordinator.worker_counts import WorkerCounts
 from elasticdl_strategy.transport.auth import validate_token
@@ -74,7 +75,7 @@ class CoordinatorServer:
 
     async def _reap(self) -> None:
         while True:
-            await asyncio.sleep(self.coordinator.reap_period_s)
+            await asyncio.sleep(self.coordinator.params.reap_period_s)
             self.coordinator.reap()
 
     def stop(self, grace: float = 1.0) -> None:

@@ -1,8 +1,9 @@
-"""The ``Coordinator`` gRPC service: a thin ``grpc.aio`` executor around :class:`Coordinator`.
+"""The ``Coordinator`` gRPC service: turns calls into :mod:`~elasticdl_strategy.coordinator.events`.
 
-Every method asks the coordinator for an answer; where it has none yet (a
-membership long poll) the call waits for the next state change as a
-coroutine, so a thousand waiting workers cost no thread. Health probes of
+Every method hands its request to the coordinator as an event and ends the
+call with the answer; where there is none yet (a membership long poll) the
+call waits for the next state change as a coroutine, so a thousand waiting
+workers cost no thread. Health probes of
 workers (a suspect in a failure report, a live process under a registering
 worker's id) are asynchronous too, and run concurrently.
 """
@@ -10,23 +11,25 @@ worker's id) are asynchronous too, and run concurrently.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from typing import Awaitable, Callable, Dict, TypeVar
+from typing import Awaitable, Callable, Dict, Optional
 
 import grpc
 
-from elasticdl_strategy.coordinator.coordinator import MAX_MEMBERSHIP_WAIT_S, Coordinator, Refusal
+from elasticdl_strategy.coordinator import events
+from elasticdl_strategy.coordinator.coordinator import Coordinator
+from elasticdl_strategy.coordinator.params import MAX_MEMBERSHIP_WAIT_S
 from elasticdl_strategy.transport.health import answers_health_check_aio
 from elasticdl_strategy.transport.options import TransportOptions
-from elasticdl_strategy.transport.protos import coordinator_pb2, coordinator_pb2_grpc
+from elasticdl_strategy.transport.protos import coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 # How long a worker gets to answer a health check before it is taken for gone.
 PROBE_TIMEOUT_S = 1.0
+# Rounds of probes for one registration: each finds another process under the id (registering concurrently).
+MAX_PROBES = 3
 
-T = TypeVar("T")
 Probe = Callable[[str], Awaitable[bool]]
 
 
@@ -55,22 +58,22 @@ def shared(probe: Probe) -> Probe:
     return shared_probe
 
 
-def _refusals_abort(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Ends the call with the status of a :class:`Refusal` the coordinator raised."""
+async def _end(answer: Optional[events.Answer], context):
+    """The response that ends a call, or the call ended with the refusal's status."""
+    if isinstance(answer, events.Refuse):
+        await context.abort(answer.code, answer.message)
+    if not isinstance(answer, events.Reply):
+        raise AssertionError(f"a call ended without a reply: {answer!r}")
+    return answer.response
 
-    @functools.wraps(method)
-    async def call(self, request, context):
-        try:
-            return await method(self, request, context)
-        except Refusal as e:
-            await context.abort(e.code, e.message)
-            raise  # not reached: abort raises
 
-    return call
+def _response(answer: Optional[events.Answer]):
+    """The reply's response, or ``None`` while the call is to wait."""
+    return answer.response if isinstance(answer, events.Reply) else None
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    """Serves ``coordinator`` on a ``grpc.aio`` server.
+    """Serves ``coordinator`` on a ``grpc.aio`` server: each call becomes an event.
 
     Example::
 
@@ -82,50 +85,45 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.coordinator = coordinator
         self._probe = shared(probe)
 
-    @_refusals_abort
+    async def _probe_all(self, probe: events.Probe) -> Dict[int, bool]:
+        answered = await asyncio.gather(*(self._probe(t.address) for t in probe.targets))
+        return {t.join_order: alive for t, alive in zip(probe.targets, answered)}
+
     async def Register(self, request, context):
-        probed = None
-        for _ in range(3):
-            answer = self.coordinator.register(request, probed)
-            if answer is not None:
-                return answer
-            probed = self.coordinator.conflict(request)
-            if probed is not None and await self._probe(probed.address):
-                raise Refusal(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"worker id {request.worker_id!r} is already used by a live process at {probed.address}",
-                )
-        raise Refusal(grpc.StatusCode.UNAVAILABLE, f"worker id {request.worker_id!r} is being registered concurrently")
+        probed: Dict[int, bool] = {}
+        for _ in range(MAX_PROBES):
+            answer = self.coordinator.handle(events.Register(request, probed))
+            if not isinstance(answer, events.Probe):
+                return await _end(answer, context)
+            probed = {**probed, **await self._probe_all(answer)}
+        message = f"worker id {request.worker_id!r} is being registered concurrently"
+        return await _end(events.Refuse(grpc.StatusCode.UNAVAILABLE, message), context)
 
     async def GetMembership(self, request, context):
         wait_s = min(max(request.wait_s, 0.0), MAX_MEMBERSHIP_WAIT_S)
         c = self.coordinator
-        c.waiting(request.worker_id, True)
+        c.handle(events.PollOpened(request.worker_id))
         try:
-            answer = await c.changes.wait_for(lambda: c.membership_answer(request), wait_s)
+            response = await c.changes.wait_for(lambda: _response(c.handle(events.Poll(request))), wait_s)
         finally:
-            c.waiting(request.worker_id, False)
-        return answer or c.membership_answer(request, waited_out=True)
+            c.handle(events.PollClosed(request.worker_id))
+        return response or await _end(c.handle(events.Poll(request, waited_out=True)), context)
 
     async def Heartbeats(self, request_iterator, context):
         async for request in request_iterator:
-            yield self.coordinator.heartbeat(request)
+            yield _response(self.coordinator.handle(events.Heartbeat(request)))
 
     async def Leave(self, request, context):
-        return self.coordinator.leave(request)
+        return await _end(self.coordinator.handle(events.Leave(request)), context)
 
     async def ReportFailure(self, request, context):
-        suspects = self.coordinator.failure_suspects(request)
-        if suspects is None:
-            return coordinator_pb2.FailureReportResponse(membership_version=self.coordinator.membership.version)
-        answered = await asyncio.gather(*(self._probe(w.address) for w in suspects))
-        unreachable = [w for w, alive in zip(suspects, answered) if not alive]
-        return self.coordinator.report_failure(request, unreachable)
+        answer = self.coordinator.handle(events.ReportFailure(request))
+        if isinstance(answer, events.Probe):
+            answer = self.coordinator.handle(events.ReportFailure(request, await self._probe_all(answer)))
+        return await _end(answer, context)
 
-    @_refusals_abort
     async def Commit(self, request, context):
-        return self.coordinator.commit(request)
+        return await _end(self.coordinator.handle(events.Commit(request)), context)
 
-    @_refusals_abort
     async def GetShards(self, request, context):
-        return self.coordinator.get_shards(request)
+        return await _end(self.coordinator.get_shards(request), context)

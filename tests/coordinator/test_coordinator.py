@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams, WorkerCounts
+from elasticdl_strategy.coordinator import Coordinator, CoordinatorParams, WorkerCounts, events
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.membership import Membership
 from elasticdl_strategy.coordinator.server import CoordinatorServer
@@ -47,6 +47,9 @@ class Direct:
             return await real_probe(address) if self.probe is None else self.probe(address)
 
         self._service = CoordinatorService(self.core, probe)
+
+    def heartbeat(self, request):
+        return self.core.handle(events.Heartbeat(request)).response
 
     def __getattr__(self, name):
         if name[0].isupper():  # an RPC
@@ -306,7 +309,7 @@ def test_a_member_dying_before_the_commit_arrives_aborts_it():
     register(c, "a")
     register(c, "b")
     clock.now += 6
-    c._touch("a")
+    c.heartbeat(pb.HeartbeatRequest(worker_id="a"))
     c.reap()  # b is silent: declared dead, version 2
     response = commit(c, "a", 1, version=1)  # the members had agreed on it before b died
     assert not response.recorded and response.membership_version == 2
@@ -346,7 +349,7 @@ def test_a_reported_peer_that_does_not_answer_is_removed():
 def test_the_reports_of_every_survivor_about_one_suspect_make_one_health_check():
     c = Coordinator(CoordinatorParams(WorkerCounts.of(50, min_workers=1)), clock=FakeClock())
     for i in range(50):
-        c.register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}", incarnation="first"))
+        c.handle(events.Register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}", incarnation="first")))
     probed = []
 
     async def probe(address):
@@ -372,9 +375,9 @@ def test_the_reports_of_every_survivor_about_one_suspect_make_one_health_check()
 def test_a_large_membership_change_is_logged_by_count_and_by_who_left(caplog):
     c = Coordinator(CoordinatorParams(WorkerCounts.of(40, min_workers=1)), clock=FakeClock())
     for i in range(40):
-        c.register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}", incarnation="first"))
+        c.handle(events.Register(pb.RegisterRequest(worker_id=f"w{i}", address=f"h:{i}", incarnation="first")))
     with caplog.at_level("INFO", logger="elasticdl_strategy.coordinator.coordinator"):
-        c.leave(pb.LeaveRequest(worker_id="w7", reason="done", incarnation="first"))
+        c.handle(events.Leave(pb.LeaveRequest(worker_id="w7", reason="done", incarnation="first")))
     (line,) = [r.getMessage() for r in caplog.records if "membership version" in r.getMessage()]
     assert line.endswith("40 -> 39 members; left: w7"), line
 
@@ -382,10 +385,11 @@ def test_a_large_membership_change_is_logged_by_count_and_by_who_left(caplog):
 def test_every_answer_holds_its_own_copy_of_the_membership():
     c = Coordinator(CoordinatorParams(WorkerCounts.of(2)), clock=FakeClock())
     for wid in "ab":
-        c.register(pb.RegisterRequest(worker_id=wid, address=f"h:{wid}"))
-    first = c.membership_answer(pb.GetMembershipRequest(worker_id="a"))
+        c.handle(events.Register(pb.RegisterRequest(worker_id=wid, address=f"h:{wid}")))
+    first = c.handle(events.Poll(pb.GetMembershipRequest(worker_id="a"))).response
     first.membership.members[0].address = "changed by its reader"
-    assert c.membership_answer(pb.GetMembershipRequest(worker_id="b")).membership.members[0].address == "h:a"
+    second = c.handle(events.Poll(pb.GetMembershipRequest(worker_id="b"))).response
+    assert second.membership.members[0].address == "h:a"
 
 
 def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declared_dead():
@@ -395,7 +399,7 @@ def test_a_process_that_registers_while_its_predecessor_is_probed_is_not_declare
     assert members(c) == ["a", "b"]
 
     def probe(address):  # while the old standby is probed, it restarts (a new process, same address)
-        c.core.register(pb.RegisterRequest(worker_id="s", address="h:s", incarnation="second"))
+        c.core.handle(events.Register(pb.RegisterRequest(worker_id="s", address="h:s", incarnation="second")))
         return False
 
     c.probe = probe
@@ -487,7 +491,7 @@ def test_waiting_long_polls_of_many_workers_hold_no_thread_and_heartbeats_go_on(
 
             threads = threading.active_count()
             waiting = [asyncio.ensure_future(poll(i)) for i in range(n - 1)]
-            await wait_until(lambda: sum(server.coordinator._waiting.values()) == n - 1)
+            await wait_until(lambda: sum(server.coordinator.state.polling.values()) == n - 1)
             assert threading.active_count() <= threads + 2  # not one per waiting call
             heartbeats = stubs[0].Heartbeats(metadata=metadata, timeout=5)
             await heartbeats.write(pb.HeartbeatRequest(worker_id="w0"))
@@ -584,7 +588,7 @@ def test_a_long_poll_of_a_process_replaced_while_it_waits_returns_replaced_not_i
     waiter = threading.Thread(target=wait)
     waiter.start()
     deadline = time.monotonic() + 10
-    while not c._waiting["a"]:  # until it is blocked in the long poll
+    while not c.state.polling.get("a"):  # until it is blocked in the long poll
         assert time.monotonic() < deadline
         time.sleep(0.01)
     register(c, "a", incarnation="second")

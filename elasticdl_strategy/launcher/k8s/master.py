@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 
-from elasticdl_strategy.coordinator.coordinator import CoordinatorParams
+from elasticdl_strategy.coordinator.params import CoordinatorParams
 from elasticdl_strategy.coordinator.server import CoordinatorServer
 from elasticdl_strategy.errors import ConfigError
 from elasticdl_strategy.launcher.k8s.job_config import COORDINATOR_PORT, K8sJobConfig
