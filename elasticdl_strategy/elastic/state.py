@@ -251,6 +251,13 @@ class State:
     def sync(self) -> None:
         """Makes every worker's state rank 0's (variables, values, position, commit id).
 
+        The variables are sent only where some member may hold others: when every member
+        still holds, bit for bit, the snapshot of one same commit (survivors rolled back to
+        the last commit, or members re-forming at the commit they just made, whose reset
+        callbacks changed no variable), they already are rank 0's: commits keep every
+        member's state identical. A newcomer, or a callback that changed a variable on
+        any member, makes every variable come from rank 0.
+
         Raises:
             CollectiveMismatchError: the workers hold different variables (names, shapes or dtypes).
             CommunicationError: a peer failed during the sync (``elastic.run`` retries).
@@ -258,20 +265,12 @@ class State:
         self._prepare_sync()
         communicator = runtime.communicator()
         variables = self.variables()
+        kept = None
         if communicator.size > 1:
             self._check_same_variables(communicator, variables)
-            groups: Dict[np.dtype, List[int]] = {}
-            arrays = [np.asarray(v.numpy()) for v in variables]
-            for i, array in enumerate(arrays):
-                groups.setdefault(array.dtype, []).append(i)
-            for members in groups.values():
-                fused = np.concatenate([arrays[i].reshape(-1) for i in members])
-                fused = communicator.broadcast(fused, root=0)
-                offset = 0
-                for i in members:
-                    size = arrays[i].size
-                    variables[i].assign(fused[offset : offset + size].reshape(arrays[i].shape))
-                    offset += size
+            kept = self._snapshot_everyone_holds(communicator, variables)
+            if kept is None:
+                self._broadcast_variables(communicator, variables)
             position = self.records.position if self.records is not None else Position()
             payload = pickle.dumps((self._values, position, self.commit_id))
             length = communicator.broadcast(np.array([len(payload)], np.int64), root=0)
@@ -282,7 +281,35 @@ class State:
                 self.records.position = position
             self.commit_id = commit_id
         self._snapshots.clear()
-        self._keep(self._snapshot())
+        if kept is None:
+            self._keep(self._snapshot())
+        else:  # the variables are the kept arrays: no copy of them
+            position = self.records.position if self.records is not None else Position()
+            self._keep(Snapshot(kept.arrays, copy.deepcopy(self._values), position, self.commit_id))
+
+    def _snapshot_everyone_holds(self, communicator, variables) -> Optional[Snapshot]:
+        """The kept snapshot of this worker's commit if every member's variables hold that
+        commit's snapshot bit for bit (one small all-reduce); ``None`` otherwise."""
+        kept = self._snapshots.get(self.commit_id)
+        holds = kept is not None and all(_same_bits(v.numpy(), a) for v, a in zip(variables, kept.arrays, strict=True))
+        commit = self.commit_id if holds else -1
+        highest, negated_lowest = communicator.allreduce(np.array([commit, -commit], np.int64), op="max")
+        return kept if commit >= 0 and highest == -negated_lowest == commit else None
+
+    @staticmethod
+    def _broadcast_variables(communicator, variables) -> None:
+        groups: Dict[np.dtype, List[int]] = {}
+        arrays = [np.asarray(v.numpy()) for v in variables]
+        for i, array in enumerate(arrays):
+            groups.setdefault(array.dtype, []).append(i)
+        for members in groups.values():
+            fused = np.concatenate([arrays[i].reshape(-1) for i in members])
+            fused = communicator.broadcast(fused, root=0)
+            offset = 0
+            for i in members:
+                size = arrays[i].size
+                variables[i].assign(fused[offset : offset + size].reshape(arrays[i].shape))
+                offset += size
 
     def _prepare_sync(self) -> None:
         """Hook: create what must exist before syncing (e.g. optimizer slots)."""
@@ -356,3 +383,11 @@ class KerasState(State):
         from elasticdl_strategy.elastic.callbacks import CommitStateCallback
 
         return [CommitStateCallback(self, batches_per_commit)]
+
+
+def _same_bits(value, array: np.ndarray) -> bool:
+    """Whether ``value`` holds exactly ``array``'s bytes (``-0.0`` is not ``0.0``, a NaN equals itself)."""
+    value, array = np.ascontiguousarray(value), np.ascontiguousarray(array)
+    if value.dtype != array.dtype or value.shape != array.shape:
+        return False
+    return bool(np.array_equal(value.reshape(-1).view(np.uint8), array.reshape(-1).view(np.uint8)))
