@@ -1,12 +1,14 @@
-"""Recovery benchmark: SIGKILL -> first step after recovery, and join -> first step with the new worker.
+"""Recovery benchmark: SIGKILL -> first step after recovery, join -> first step with the new worker, and
+SIGTERM -> first step without the leaver.
 
 Usage::
 
     python benchmarks/recovery.py [--repeats 5] [--workers 3] [--batch 32] [--commit-every 5]
-                                  [--optimizer adam] [--kill-step 22] [--json out.json] [--log-dir DIR]
+                                  [--optimizer adam] [--kill-step 22] [--leave-rank 1] [--json out.json]
+                                  [--log-dir DIR]
 
-Target (from the project's issue): median <= 3 s for both, at N = 3 with a model of >= 4 M parameters
-(torchrun restarts take ~30 s).
+Targets (issue 16): medians over >= 5 repeats at N = 3 with a model of >= 4 M parameters: kill <= 0.3 s,
+join <= 0.6 s, leave <= 0.3 s (torchrun restarts take ~30 s).
 
 Method: one job per repeat, run through the real launcher::
 
@@ -16,9 +18,11 @@ Method: one job per repeat, run through the real launcher::
 Each worker builds the MLP of ``benchmarks/train_step.py`` (Dense 1024-2048-1024-10, 4.2 M parameters,
 float32) and a Keras optimizer under ``AllReduceStrategy().scope()``, keeps them in
 ``elastic.KerasState`` with ``data.ElasticRecords`` (1 M records, ``--batch`` per worker) and trains
-with a custom loop under ``elastic.run``: a ``tf.function`` calling ``strategy.run`` (forward, loss,
-gradients, ``optimizer.apply_gradients``, which all-reduces), the loss fetched after every step so the
-step has finished, ``state.commit()`` every ``--commit-every`` steps. Features are rows of a fixed
+with a custom loop under ``elastic.run``: an ``elastic.function`` made once (a ``tf.function`` per
+number of workers and rank, each trace reused when the job comes back to it; ``--fresh-traces``: a new
+``tf.function`` in every membership) calling ``strategy.run`` (forward, loss, gradients,
+``optimizer.apply_gradients``, which all-reduces), the loss fetched after every step so the step has
+finished, ``state.commit()`` every ``--commit-every`` steps and when a leave is pending. Features are rows of a fixed
 seeded table gathered by record index (``index % 4096``), labels ``index % 10``.
 
 * Kill: before step ``--kill-step`` the worker of rank ``--kill-rank`` writes ``time.time()`` to the
@@ -35,14 +39,21 @@ seeded table gathered by record index (``index % 4096``), labels ``index % 10``.
   registration, the wait for the survivors' next commit (joins are admitted at commits), the
   re-formation, building the model on the joiner (``AllReduceStrategy()`` returns once admitted, while
   the others wait in the sync), the state sync, tracing the step function and one step.
-* The job ends ``--steps-after-join`` steps after the job is back to N workers (``--max-steps`` caps a
-  job whose replacement never joins); the parent kills every process it started, by pid, afterwards.
+* Leave: ``--leave-after`` steps after the job is back to N workers, the worker of rank ``--leave-rank``
+  writes ``time.time()`` and sends itself SIGTERM. The loop asks ``state.leave_pending()`` after every
+  step (one small all-reduce) and commits when it is true: the leaver leaves at that commit, the others
+  re-form without it (no rollback). Leave time = the later survivor's first completed step at size N-1
+  after it minus the SIGTERM time. It includes the rest of the step in flight, the vote and the
+  commit, the re-formation, the sync, re-tracing the step function and one step.
+* The job ends ``--steps-after-join`` steps after the leave (``--max-steps`` caps a job whose
+  replacement never joins); the parent kills every process it started, by pid, afterwards.
 
 The breakdown comes from more events of the same workers: ``step_failed`` = a survivor's step raised
 (the failure reached the training loop), ``sync_start`` = a state sync began (``all_in_sync``: the
 last member of the new membership began it), ``synced`` = ``elastic.run`` called the training
 function again (re-formed, rolled back and synced), ``admitted`` = the joiner's ``AllReduceStrategy()``
-returned (a membership with it was published), ``built`` = its model and optimizer existed.
+returned (a membership with it was published), ``built`` = its model and optimizer existed,
+``leave_committed`` = the commit the leaver leaves at returned on a survivor (re-forming follows).
 Each worker's log lines get timestamps; the report repeats the library's recovery lines
 ("re-formed in", "training continues ... after the failure"). ``--log-dir`` keeps whole logs.
 All times are ``time.time()`` on one machine. A measurement a repeat could not make is left out of
@@ -77,7 +88,8 @@ LEARNING_RATE = 1e-3
 MARKER = "EDL_RECOVERY_BENCH"  # in the environment of every process of a job, to find them by pid
 STOP_GRACE_S = 15.0
 OPTIMIZERS = {"adam": lambda keras: keras.optimizers.Adam, "sgd": lambda keras: keras.optimizers.SGD}
-LOG_PATTERNS = ("re-formed in", "training continues", "joined at commit", "in its place", "killing myself")
+LOG_PATTERNS = ("re-formed in", "training continues", "joined at commit", "in its place", "killing myself", "SIGTERM")
+TARGETS_S = {"kill": 0.3, "join": 0.6, "leave": 0.3}  # issue 16
 
 
 # ---------------------------------------------------------------------------
@@ -107,10 +119,17 @@ def feature_table():
     return tf.constant(rng.standard_normal((TABLE_ROWS, *INPUT_SHAPES[MODEL]), dtype=np.float32))
 
 
-def make_step(strategy, model, optimizer, table, global_batch: int) -> Callable[[Any], float]:
-    """A function running one training step on a batch of record indices; returns the local loss."""
+def make_step(strategy, model, optimizer, table, batch: int) -> Callable[[Any], float]:
+    """A function running one training step on a batch of record indices; returns the local loss.
+
+    Made once: ``elastic.function`` traces it once per (number of workers, rank) and reuses that trace
+    whenever the job comes back to the same shape (``--fresh-traces``: a new ``tf.function`` in every
+    membership, as before it existed).
+    """
     import keras
     import tensorflow as tf
+
+    from elasticdl_strategy import elastic, runtime
 
     loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
@@ -119,13 +138,22 @@ def make_step(strategy, model, optimizer, table, global_batch: int) -> Callable[
         labels = tf.cast(indices % NUM_CLASSES, tf.int32)
         with tf.GradientTape() as tape:
             per_example = loss_object(labels, model(features, training=True))
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            # The global batch is read while tracing: one trace per number of workers.
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch * runtime.size())
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
         return loss
 
-    step = tf.function(lambda indices: strategy.run(replica_step, args=(indices,)), jit_compile=False)
+    step = elastic.function(lambda indices: strategy.run(replica_step, args=(indices,)), jit_compile=False)
     return lambda indices: float(strategy.experimental_local_results(step(indices))[0])
+
+
+def step_maker(args: argparse.Namespace, strategy, model, optimizer, table) -> Callable[[], Callable[[Any], float]]:
+    """What the training function calls on entry for its step: the one made here, or a new one each time."""
+    if args.fresh_traces:
+        return lambda: make_step(strategy, model, optimizer, table, args.batch)
+    step = make_step(strategy, model, optimizer, table, args.batch)
+    return lambda: step
 
 
 class StepWatch:
@@ -161,6 +189,21 @@ def kill_if_targeted(args: argparse.Namespace, events: Events, step: int) -> Non
     done.touch()
     events.write("kill", step=step, rank=runtime.rank())
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def leave_if_targeted(args: argparse.Namespace, events: Events, step: int, regrown_at: Optional[int]) -> None:
+    """Sends this process SIGTERM ``--leave-after`` steps after the job regrew, if it is rank
+    ``--leave-rank`` (once per job): ``elastic.run`` turns it into a graceful leave."""
+    from elasticdl_strategy import runtime
+
+    done = args.out / "left"
+    if regrown_at is None or step != regrown_at + args.leave_after or runtime.rank() != args.leave_rank:
+        return
+    if done.exists():
+        return
+    done.touch()
+    events.write("leave", step=step, rank=runtime.rank())
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def make_state(elastic, events: Events, model, optimizer, records):
@@ -199,18 +242,21 @@ def worker_main(args: argparse.Namespace) -> int:
     records = data.ElasticRecords(NUM_RECORDS, batch_size=args.batch, seed=1)
     state = make_state(elastic, events, model, optimizer, records)
     watch = StepWatch(events)
+    new_step = step_maker(args, strategy, model, optimizer, table)
 
     @elastic.run
     def train(state) -> None:
-        # Every worker gets here together, with the state just synced from rank 0: they agree on end_at.
-        # (Not a state value: a rollback to a commit from before the kill would lose it.)
-        regrown = runtime.size() == args.workers and (args.out / "killed").exists()
-        end_at = min(args.max_steps, state.steps + args.steps_after_join) if regrown else args.max_steps
+        # Every worker gets here together, with the state just synced from rank 0: they agree on the
+        # phase. (Not a state value: a rollback to a commit from before the kill would lose it.)
+        left = (args.out / "left").exists()
+        regrown_at = state.steps if runtime.size() == args.workers and (args.out / "killed").exists() else None
+        end_at = min(args.max_steps, state.steps + args.steps_after_join) if left else args.max_steps
         events.write("synced", version=runtime.current_worker().membership.version, size=runtime.size())
-        step = make_step(strategy, model, optimizer, table, args.batch * runtime.size())
+        step = new_step()
         while state.steps < end_at:
             for indices in records.dataset():
                 kill_if_targeted(args, events, state.steps)
+                leave_if_targeted(args, events, state.steps, None if left else regrown_at)
                 started = time.perf_counter()
                 try:
                     step(indices)
@@ -221,7 +267,10 @@ def worker_main(args: argparse.Namespace) -> int:
                 watch.completed(state.steps, time.perf_counter() - started)
                 epoch = records.epoch
                 records.advance()
-                if state.steps % args.commit_every == 0 or records.epoch != epoch:
+                if state.leave_pending():
+                    events.write("leave_commit", version=runtime.current_worker().membership.version)
+                    state.commit()  # the leaver leaves here; the others re-form without it
+                elif state.steps % args.commit_every == 0 or records.epoch != epoch:
                     state.commit()
                 if state.steps >= end_at:
                     break
@@ -242,6 +291,7 @@ class Repeat:
     index: int
     kill_s: Optional[float] = None  # SIGKILL -> first completed step at size N-1
     join_s: Optional[float] = None  # joiner ready -> its first completed step at size N
+    leave_s: Optional[float] = None  # SIGTERM -> first completed step at size N-1 without the leaver
     breakdown: Dict[str, float] = field(default_factory=dict)
     step_ms: Dict[str, float] = field(default_factory=dict)
     params: Optional[int] = None
@@ -288,6 +338,8 @@ def job_argv(args: argparse.Namespace, out: Path) -> List[str]:
         "--workers", str(args.workers), "--batch", str(args.batch), "--commit-every", str(args.commit_every),
         "--optimizer", args.optimizer, "--kill-step", str(args.kill_step), "--kill-rank", str(args.kill_rank),
         "--steps-after-join", str(args.steps_after_join), "--max-steps", str(args.max_steps),
+        "--leave-rank", str(args.leave_rank), "--leave-after", str(args.leave_after),
+        *(["--fresh-traces"] if args.fresh_traces else []),
     ]  # fmt: skip
     return [
         sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(args.workers),
@@ -372,6 +424,25 @@ def measure_join(events: Sequence[dict], workers: int, repeat: Repeat) -> None:
     add_breakdown(repeat, "join: ", marks)
 
 
+def measure_leave(events: Sequence[dict], workers: int, repeat: Repeat) -> None:
+    leave = first(events, kind="leave")
+    if leave is None:
+        raise RuntimeError("no leave event")
+    after = [e for e in events if e["time"] > leave["time"]]
+    steps = [e for e in after if e["kind"] == "first_step" and e["size"] == workers - 1]
+    survivors = {e["worker"] for e in steps}
+    firsts = [first(steps, worker=w) for w in survivors]
+    if not firsts:
+        raise RuntimeError("no completed step at the reduced size after the leave")
+    last = max(firsts, key=lambda e: e["time"])
+    repeat.leave_s = last["time"] - leave["time"]
+    committing = latest([e for w in survivors if (e := first(after, kind="leave_commit", worker=w)) is not None])
+    all_in = latest([e for e in after if e["kind"] == "sync_start" and e["version"] == last["version"]])
+    marks = [("leave", leave), ("commit_started", committing), ("all_in_sync", all_in)]
+    marks += [("synced", first(after, kind="synced", worker=last["worker"])), ("step", last)]
+    add_breakdown(repeat, "leave: ", marks)
+
+
 def add_breakdown(repeat: Repeat, prefix: str, marks: Sequence[tuple]) -> None:
     """Adds the time between each two consecutive (name, event) marks that both happened."""
     present = [(name, event) for name, event in marks if event is not None]
@@ -392,7 +463,7 @@ def analyse(index: int, out: Path, log: Path, workers: int, failure: Optional[st
         longest = max(done, key=lambda e: len(e["step_seconds"]))
         repeat.step_ms = {size: s * 1e3 for size, s in longest["step_seconds"].items()}
     errors = [failure] if failure else []
-    for measure in (measure_kill, measure_join):
+    for measure in (measure_kill, measure_join, measure_leave):
         try:
             measure(events, workers, repeat)
         except RuntimeError as e:
@@ -428,7 +499,10 @@ def method_line(args: argparse.Namespace, params: Optional[int]) -> str:
         f"{model}, Keras {args.optimizer}, batch {args.batch} per worker, commit every {args.commit_every} steps; "
         f"rank {args.kill_rank} SIGKILLs itself before step {args.kill_step}; kill = the survivors' first completed "
         f"step after it (the later one) - kill time; join = the replacement's first completed step - its ready time "
-        f"(just before AllReduceStrategy(); process start and TensorFlow import not counted); "
+        f"(just before AllReduceStrategy(); process start and TensorFlow import not counted); rank {args.leave_rank} "
+        f"SIGTERMs itself {args.leave_after} steps after the join; leave = the survivors' first completed step "
+        f"without it (the later one) - SIGTERM time; step: "
+        f"{'a new tf.function per membership' if args.fresh_traces else 'one elastic.function, traces reused'}; "
         f"machine: {os.cpu_count()} CPU cores (os.cpu_count())."
     )
 
@@ -446,25 +520,29 @@ def verdict(value: Optional[float], target: float) -> str:
     return "n/a" if value is None else ("PASS" if value <= target else "MISS")
 
 
+def medians(repeats: Sequence[Repeat]) -> Dict[str, Optional[float]]:
+    return {kind: median_of([getattr(r, f"{kind}_s") for r in repeats]) for kind in TARGETS_S}
+
+
 def print_report(repeats: Sequence[Repeat], args: argparse.Namespace) -> None:
-    print(f"\n{'repeat':>6} | {'kill->step s':>12} | {'join->step s':>12} | step ms by size (median)")
-    print("-" * 72)
+    print(f"\n{'repeat':>6} | {'kill->step s':>12} | {'join->step s':>12} | {'leave->step s':>13} | step ms by size")
+    print("-" * 88)
     for r in repeats:
         steps = ", ".join(f"N={n}: {ms:.0f}" for n, ms in sorted(r.step_ms.items()))
         error = f"  [{r.error}]" if r.error else ""
-        print(f"{r.index:>6} | {fmt(r.kill_s):>12} | {fmt(r.join_s):>12} | {steps}{error}")
-    kill, join = median_of([r.kill_s for r in repeats]), median_of([r.join_s for r in repeats])
-    print("-" * 72)
-    print(f"{'median':>6} | {fmt(kill):>12} | {fmt(join):>12} |")
-    print(f"target: median <= {args.target:g} s for both (torchrun restarts take ~30 s)")
-    print(f"kill -> first step after recovery: {verdict(kill, args.target)}")
-    print(f"join -> first step with the new worker: {verdict(join, args.target)}")
+        print(f"{r.index:>6} | {fmt(r.kill_s):>12} | {fmt(r.join_s):>12} | {fmt(r.leave_s):>13} | {steps}{error}")
+    median = medians(repeats)
+    print("-" * 88)
+    print(f"{'median':>6} | {fmt(median['kill']):>12} | {fmt(median['join']):>12} | {fmt(median['leave']):>13} |")
+    for kind, target in TARGETS_S.items():
+        print(f"{kind}: median {fmt(median[kind]).strip()} s, target <= {target:g} s: {verdict(median[kind], target)}")
     print(
         "\nBreakdown (s): kill: both_failed = the later survivor's step raised, all_in_sync = the last member "
-        "entered the state sync, synced/step = the later survivor's; join: the joiner's events, all_in_sync as above"
+        "entered the state sync, synced/step = the later survivor's; join: the joiner's events, all_in_sync as "
+        "above; leave: commit_started = the later survivor began the commit the leaver leaves at"
     )
     for r in repeats:
-        for prefix in ("kill: ", "join: "):
+        for prefix in ("kill: ", "join: ", "leave: "):
             parts = [f"{k[len(prefix) :]} {v:.2f}" for k, v in r.breakdown.items() if k.startswith(prefix)]
             if parts:
                 print(f"  repeat {r.index} {prefix}{', '.join(parts)}")
@@ -482,8 +560,7 @@ def write_json(path: str, args: argparse.Namespace, repeats: Sequence[Repeat]) -
         "cpu_count": os.cpu_count(),
         "options": options,
         "params": params,
-        "median_kill_s": median_of([r.kill_s for r in repeats]),
-        "median_join_s": median_of([r.join_s for r in repeats]),
+        **{f"median_{kind}_s": value for kind, value in medians(repeats).items()},
         "repeats": [asdict(r) for r in repeats],
     }
     Path(path).write_text(json.dumps(data, indent=1))
@@ -498,20 +575,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="Keras optimizer (default adam)")
     p.add_argument("--kill-step", type=int, default=22, help="the victim dies before this step (default 22)")
     p.add_argument("--kill-rank", type=int, default=2, help="rank of the victim (default 2)")
-    p.add_argument("--steps-after-join", type=int, default=20, help="steps at size N after the join (default 20)")
+    p.add_argument("--leave-rank", type=int, default=1, help="rank that leaves by SIGTERM after the join (default 1)")
+    p.add_argument("--leave-after", type=int, default=8, help="steps after the join before it leaves (default 8)")
+    p.add_argument("--steps-after-join", type=int, default=20, help="steps after the leave (default 20)")
+    p.add_argument("--fresh-traces", action="store_true", help="a new tf.function per membership (retraces)")
     p.add_argument("--max-steps", type=int, default=1000, help="end a job by then, joined or not (default 1000)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="launcher --heartbeat-timeout (default 3)")
-    p.add_argument("--target", type=float, default=3.0, help="target median in seconds (default 3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job (default 300)")
     p.add_argument("--json", metavar="PATH", help="write all numbers to PATH")
     p.add_argument("--log-dir", type=Path, help="keep each job's output as DIR/repeat-I.log")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: worker mode
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # internal: where workers write events
     args = p.parse_args(argv)
-    if args.workers < 2 or not 0 <= args.kill_rank < args.workers:
-        p.error("--workers must be >= 2 and --kill-rank in 0..workers-1")
-    if min(args.repeats, args.batch, args.commit_every, args.steps_after_join) < 1:
-        p.error("--repeats, --batch, --commit-every and --steps-after-join must be >= 1")
+    if args.workers < 2 or not 0 <= args.kill_rank < args.workers or not 0 <= args.leave_rank < args.workers:
+        p.error("--workers must be >= 2, --kill-rank and --leave-rank in 0..workers-1")
+    if min(args.repeats, args.batch, args.commit_every, args.steps_after_join, args.leave_after) < 1:
+        p.error("--repeats, --batch, --commit-every, --steps-after-join and --leave-after must be >= 1")
     if args.kill_step < 1 or args.max_steps <= args.kill_step:
         p.error("--kill-step must be >= 1 and below --max-steps")
     return args

@@ -27,7 +27,8 @@ last commit, and every record is used exactly once per epoch.
 
 from elasticdl_strategy.elastic.callbacks import CommitStateCallback
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
+from elasticdl_strategy.elastic.membership_function import MembershipFunction, function
 from elasticdl_strategy.elastic.run import run
 from elasticdl_strategy.elastic.state import KerasState, State
 
-__all__ = ["run", "State", "KerasState", "CommitStateCallback", "CheckpointStore"]
+__all__ = ["run", "function", "State", "KerasState", "CommitStateCallback", "CheckpointStore", "MembershipFunction"]

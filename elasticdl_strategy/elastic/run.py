@@ -51,7 +51,9 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     every rank set for itself.
 
     ``func`` is called again from the top after every reset: create
-    iterators and ``tf.function`` s inside it, and resume from the state
+    iterators and ``tf.function`` s inside it (or make the step an
+    :func:`~elasticdl_strategy.elastic.function` once, outside it: its traces
+    are kept per number of workers and rank), and resume from the state
     (``records.dataset()`` does by itself).
 
     Example::

@@ -78,9 +78,12 @@ def replica_step(batch_x, batch_y):
     model.optimizer.apply(tape.gradient(loss, variables), variables)
 
 
+# Made once: traced per (number of workers, rank), each trace reused when the job returns to it.
+step = elastic.function(lambda bx, by: strategy.run(replica_step, (bx, by)))
+
+
 @elastic.run
 def loop(state):
-    step = tf.function(lambda bx, by: strategy.run(replica_step, (bx, by)))
     while records.epoch < config["epochs"]:
         for batch_x, batch_y in batches():
             before_step()
