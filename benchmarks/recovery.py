@@ -4,7 +4,7 @@ SIGTERM -> first step without the leaver.
 Usage::
 
     python benchmarks/recovery.py [--repeats 5] [--workers 3] [--batch 32] [--commit-every 5]
-                                  [--optimizer adam] [--kill-step 22] [--leave-rank 1] [--json out.json]
+                                  [--optimizer adam] [--kill-step 150] [--leave-rank 1] [--json out.json]
                                   [--log-dir DIR]
 
 Targets (issue 16): medians over >= 5 repeats at N = 3 with a model of >= 4 M parameters: kill <= 0.3 s,
@@ -119,7 +119,7 @@ def feature_table():
     return tf.constant(rng.standard_normal((TABLE_ROWS, *INPUT_SHAPES[MODEL]), dtype=np.float32))
 
 
-def make_step(strategy, model, optimizer, table, batch: int) -> Callable[[Any], float]:
+def make_step(strategy, model, optimizer, table, batch: int, trace_ahead: bool) -> Callable[[Any], float]:
     """A function running one training step on a batch of record indices; returns the local loss.
 
     Made once: ``elastic.function`` traces it once per (number of workers, rank) and reuses that trace
@@ -144,15 +144,17 @@ def make_step(strategy, model, optimizer, table, batch: int) -> Callable[[Any], 
         optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
         return loss
 
-    step = elastic.function(lambda indices: strategy.run(replica_step, args=(indices,)), jit_compile=False)
+    step = elastic.function(
+        lambda indices: strategy.run(replica_step, args=(indices,)), trace_ahead=trace_ahead, jit_compile=False
+    )
     return lambda indices: float(strategy.experimental_local_results(step(indices))[0])
 
 
 def step_maker(args: argparse.Namespace, strategy, model, optimizer, table) -> Callable[[], Callable[[Any], float]]:
     """What the training function calls on entry for its step: the one made here, or a new one each time."""
     if args.fresh_traces:
-        return lambda: make_step(strategy, model, optimizer, table, args.batch)
-    step = make_step(strategy, model, optimizer, table, args.batch)
+        return lambda: make_step(strategy, model, optimizer, table, args.batch, trace_ahead=False)
+    step = make_step(strategy, model, optimizer, table, args.batch, trace_ahead=not args.no_trace_ahead)
     return lambda: step
 
 
@@ -171,7 +173,7 @@ class StepWatch:
         size = runtime.size()
         self.seconds.setdefault(size, []).append(seconds)
         if version != self.version:
-            self.events.write("first_step", version=version, size=size, rank=runtime.rank(), step=step)
+            self.events.write("first_step", version=version, size=size, rank=runtime.rank(), step=step, seconds=seconds)
             self.version = version
 
     def summary(self) -> Dict[str, float]:
@@ -228,6 +230,7 @@ def worker_main(args: argparse.Namespace) -> int:
     from elasticdl_strategy import AllReduceStrategy, data, elastic, runtime
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", force=True)  # timestamps
+    logging.getLogger("elasticdl_strategy").setLevel(logging.INFO)  # the recovery lines (LOG_PATTERNS)
     events = Events(args.out, os.environ.get("EDL_WORKER_ID", "local"))
     ready = time.time()
     strategy = AllReduceStrategy()
@@ -340,6 +343,7 @@ def job_argv(args: argparse.Namespace, out: Path) -> List[str]:
         "--steps-after-join", str(args.steps_after_join), "--max-steps", str(args.max_steps),
         "--leave-rank", str(args.leave_rank), "--leave-after", str(args.leave_after),
         *(["--fresh-traces"] if args.fresh_traces else []),
+        *(["--no-trace-ahead"] if args.no_trace_ahead else []),
     ]  # fmt: skip
     return [
         sys.executable, "-m", "elasticdl_strategy", "run", "--workers", str(args.workers),
@@ -479,6 +483,9 @@ def run_repeat(index: int, args: argparse.Namespace) -> Repeat:
         started = time.monotonic()
         failure = run_job(args, out, log)
         repeat = analyse(index, out, log, args.workers, failure)
+        if args.log_dir:  # the workers' events beside the log, one JSON line each, in time order
+            lines = [json.dumps(e) for e in sorted(read_events(out), key=lambda e: e["time"])]
+            (args.log_dir / f"repeat-{index}-events.jsonl").write_text("\n".join(lines) + "\n")
         status = "ok" if repeat.error is None else f"FAILED: {repeat.error}"
         print(f"  repeat {index}: {time.monotonic() - started:.1f} s, {status}", file=sys.stderr, flush=True)
         if repeat.error:
@@ -573,17 +580,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="batch per worker (default 32)")
     p.add_argument("--commit-every", type=int, default=5, help="steps between commits (default 5)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="Keras optimizer (default adam)")
-    p.add_argument("--kill-step", type=int, default=22, help="the victim dies before this step (default 22)")
+    p.add_argument("--kill-step", type=int, default=150, help="the victim dies before this step (default 150)")
     p.add_argument("--kill-rank", type=int, default=2, help="rank of the victim (default 2)")
     p.add_argument("--leave-rank", type=int, default=1, help="rank that leaves by SIGTERM after the join (default 1)")
-    p.add_argument("--leave-after", type=int, default=8, help="steps after the join before it leaves (default 8)")
+    p.add_argument("--leave-after", type=int, default=150, help="steps after the join before it leaves (default 150)")
     p.add_argument("--steps-after-join", type=int, default=20, help="steps after the leave (default 20)")
     p.add_argument("--fresh-traces", action="store_true", help="a new tf.function per membership (retraces)")
+    p.add_argument("--no-trace-ahead", action="store_true", help="elastic.function(trace_ahead=False)")
     p.add_argument("--max-steps", type=int, default=1000, help="end a job by then, joined or not (default 1000)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="launcher --heartbeat-timeout (default 3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job (default 300)")
     p.add_argument("--json", metavar="PATH", help="write all numbers to PATH")
-    p.add_argument("--log-dir", type=Path, help="keep each job's output as DIR/repeat-I.log")
+    p.add_argument("--log-dir", type=Path, help="keep each job's output and events as DIR/repeat-I.log, -events.jsonl")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: worker mode
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # internal: where workers write events
     args = p.parse_args(argv)

@@ -14,6 +14,9 @@ from elasticdl_strategy.data.plan import BatchPolicy, EpochStream, next_cursor, 
 from elasticdl_strategy.strategy.input_sharding import mark_per_worker
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
+_WITHOUT_AUTOTUNE = tf.data.Options()
+_WITHOUT_AUTOTUNE.autotune.enabled = False
+
 
 class ElasticRecords:
     """Record indices ``0 .. num_records-1`` for this worker, each used once per epoch by the job.
@@ -140,8 +143,15 @@ class ElasticRecords:
         position is at that moment and ends with its epoch. The batches are
         this worker's already: ``AllReduceStrategy`` distributes the dataset,
         and what is made from it, as it is (see ``input_sharding.mark_per_worker``).
+
+        tf.data's autotuning is off in it (and what is made from it, unless
+        their options turn it on again): there is nothing to tune in a
+        generator of index vectors, and an iterator with autotuning, deleted
+        when a failure ends the training loop, waited for its tuning thread's
+        next period (up to 10 s into a job) before the worker could recover
+        (``benchmarks/recovery.py``: 10 of 46 recoveries took ~10 s, none of 32 after).
         """
         dataset = tf.data.Dataset.from_generator(
             self.batches, output_signature=tf.TensorSpec(shape=[None], dtype=tf.int64)
         )
-        return mark_per_worker(dataset)
+        return mark_per_worker(dataset.with_options(_WITHOUT_AUTOTUNE))

@@ -29,11 +29,12 @@ This layer sits above both :mod:`~elasticdl_strategy.collective` and
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -181,12 +182,31 @@ def communicator() -> Communicator:
 
 def rank() -> int:
     """This worker's rank: its position in join order, 0 for the oldest."""
-    return communicator().rank
+    shape = getattr(_traced_shape, "value", None)
+    return shape[1] if shape is not None else communicator().rank
 
 
 def size() -> int:
     """Number of workers in the current membership."""
-    return communicator().size
+    shape = getattr(_traced_shape, "value", None)
+    return shape[0] if shape is not None else communicator().size
+
+
+# A thread tracing a function ahead for another membership shape (elastic.function) sees that shape.
+_traced_shape = threading.local()
+
+
+@contextlib.contextmanager
+def tracing_for(size: int, rank: int) -> Iterator[None]:
+    """Within it, :func:`size` and :func:`rank` answer ``size`` and ``rank`` in this thread only:
+    for tracing a ``tf.function`` ahead for a membership this worker may be in next. Nothing
+    run within it may communicate (tracing does not)."""
+    previous = getattr(_traced_shape, "value", None)
+    _traced_shape.value = (size, rank)
+    try:
+        yield
+    finally:
+        _traced_shape.value = previous
 
 
 def stats() -> Dict[str, int]:

@@ -113,7 +113,7 @@ class SharedMemoryPath:
                 if self._stopped:
                     return None
                 self._cond.wait(_IDLE_POLL_S)
-            return self._free.popleft()
+            return self._free.pop()  # the last handed back: its pages are warm
 
 
 class GrpcPath:

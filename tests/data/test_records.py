@@ -36,3 +36,12 @@ def test_a_dataset_resumes_from_the_position():
 def test_bad_batch_size_is_refused():
     with pytest.raises(UsageError, match="batch_size=0"):
         ElasticRecords(num_records=10, batch_size=0)
+
+
+def test_the_index_dataset_and_what_is_made_from_it_run_without_tf_data_autotuning():
+    # An autotuned iterator deleted when a failure ends the loop waited for its tuning thread's
+    # next period (up to 10 s) before the worker could recover.
+    records = ElasticRecords(num_records=20, batch_size=5, seed=2)
+    dataset = records.dataset()
+    assert dataset.options().autotune.enabled is False
+    assert dataset.map(lambda i: i * 2).batch(2).options().autotune.enabled is False

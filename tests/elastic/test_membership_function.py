@@ -7,19 +7,26 @@ from elasticdl_strategy import elastic, runtime
 from elasticdl_strategy.elastic import membership_function
 
 
+class Communicator:
+    size, rank = 3, 0
+
+    def update(self, size=None, rank=None):
+        self.size = self.size if size is None else size
+        self.rank = self.rank if rank is None else rank
+
+
 @pytest.fixture
 def membership(monkeypatch):
-    """The (size, rank) that runtime reports, as a dict the test changes."""
-    now = {"size": 3, "rank": 0}
-    monkeypatch.setattr(runtime, "size", lambda: now["size"])
-    monkeypatch.setattr(runtime, "rank", lambda: now["rank"])
-    return now
+    """The communicator whose size and rank runtime reports (the test changes them)."""
+    communicator = Communicator()
+    monkeypatch.setattr(runtime, "communicator", lambda: communicator)
+    return communicator
 
 
 def test_a_membership_shape_seen_before_runs_its_trace_again(membership):
     traces = []
 
-    @elastic.function
+    @elastic.function(trace_ahead=False)
     def global_batch(per_worker):
         traces.append((runtime.size(), runtime.rank()))  # runs only while tracing
         return per_worker * runtime.size()
@@ -34,7 +41,7 @@ def test_a_membership_shape_seen_before_runs_its_trace_again(membership):
 
 
 def test_tf_function_arguments_apply_and_the_oldest_shapes_are_dropped(membership):
-    @elastic.function(input_signature=[tf.TensorSpec([], tf.int32)])
+    @elastic.function(trace_ahead=False, input_signature=[tf.TensorSpec([], tf.int32)])
     def double(x):
         return 2 * x
 
@@ -45,3 +52,31 @@ def test_tf_function_arguments_apply_and_the_oldest_shapes_are_dropped(membershi
         assert int(double(tf.constant(size))) == 2 * size
     assert len(double.traced) == membership_function.MAX_MEMBERSHIP_SHAPES
     assert double.traced[0] == (3, 0) and double.traced[-1] == (membership_function.MAX_MEMBERSHIP_SHAPES + 2, 0)
+
+
+def test_the_shapes_after_a_member_leaves_are_traced_ahead_in_the_background(membership):
+    traces, now = [], [0.0]
+
+    def global_batch_of(per_worker):
+        traces.append((runtime.size(), runtime.rank()))
+        return per_worker * runtime.size()
+
+    global_batch = elastic.MembershipFunction(global_batch_of, clock=lambda: now[0])
+    membership.update(size=3, rank=1)
+    assert int(global_batch(tf.constant(8))) == 24
+    now[0] += membership_function.TRACE_AHEAD_AFTER_S - 0.1
+    global_batch(tf.constant(8))
+    assert global_batch.wait_for_traces_ahead(timeout=30) and traces == [(3, 1)]  # not yet: the shape is new
+    now[0] += 0.1
+    global_batch(tf.constant(8))
+    assert global_batch.wait_for_traces_ahead(timeout=30)
+    assert sorted(traces) == [(2, 0), (2, 1), (3, 1)]  # after rank 2 leaves, or rank 0
+    assert (runtime.size(), runtime.rank()) == (3, 1)  # only the tracing thread saw the other shapes
+    for rank in (0, 1):
+        membership.update(size=2, rank=rank)
+        assert int(global_batch(tf.constant(8))) == 16  # the trace made ahead, with its own size
+    now[0] += membership_function.TRACE_AHEAD_AFTER_S
+    membership.update(size=2, rank=0)
+    global_batch(tf.constant(8))
+    assert global_batch.wait_for_traces_ahead(timeout=30)
+    assert sorted(traces) == [(1, 0), (2, 0), (2, 1), (3, 1)]  # and, once used, from there on
