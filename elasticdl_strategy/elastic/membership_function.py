@@ -88,9 +88,9 @@ class MembershipFunction:
         result = function(*args, **kwargs)
         if self._trace_ahead and shape not in self._traced_ahead:
             now = self._clock()
-            if now - self._first_called.setdefault(shape, now) >= TRACE_AHEAD_AFTER_S:
+            ran_long_enough = now - self._first_called.setdefault(shape, now) >= TRACE_AHEAD_AFTER_S
+            if ran_long_enough and self._start_tracing_ahead(shapes_after_one_leaves(*shape), args, kwargs):
                 self._traced_ahead.add(shape)
-                self._start_tracing_ahead(shapes_after_one_leaves(*shape), args, kwargs)
         return result
 
     @property
@@ -119,15 +119,18 @@ class MembershipFunction:
             self._functions.move_to_end(shape)
             return function, new
 
-    def _start_tracing_ahead(self, shapes: List[Shape], args: tuple, kwargs: dict) -> None:
+    def _start_tracing_ahead(self, shapes: List[Shape], args: tuple, kwargs: dict) -> bool:
+        """Starts tracing the ``shapes`` not yet traced; False while an earlier tracing ahead runs."""
         with self._lock:
+            if self._ahead is not None and self._ahead.is_alive():
+                return False
             shapes = [s for s in shapes if s not in self._functions]
-            if not shapes or (self._ahead is not None and self._ahead.is_alive()):
-                return
-            self._ahead = threading.Thread(
-                target=self._trace_shapes, args=(shapes, args, kwargs), name="edl-trace-ahead", daemon=True
-            )
-            self._ahead.start()
+            if shapes:
+                self._ahead = threading.Thread(
+                    target=self._trace_shapes, args=(shapes, args, kwargs), name="edl-trace-ahead", daemon=True
+                )
+                self._ahead.start()
+            return True
 
     def _trace_shapes(self, shapes: List[Shape], args: tuple, kwargs: dict) -> None:
         for shape in shapes:

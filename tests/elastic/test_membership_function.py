@@ -1,5 +1,7 @@
 """elastic.function: one trace per (number of workers, rank), kept across re-formations."""
 
+import threading
+
 import pytest
 import tensorflow as tf
 
@@ -80,3 +82,28 @@ def test_the_shapes_after_a_member_leaves_are_traced_ahead_in_the_background(mem
     global_batch(tf.constant(8))
     assert global_batch.wait_for_traces_ahead(timeout=30)
     assert sorted(traces) == [(1, 0), (2, 0), (2, 1), (3, 1)]  # and, once used, from there on
+
+
+def test_a_shape_whose_tracing_ahead_waited_for_another_is_traced_ahead_later(membership):
+    traces, now, release = [], [0.0], threading.Event()
+
+    def fn(x):
+        traces.append((runtime.size(), runtime.rank()))
+        if (runtime.size(), runtime.rank()) == (2, 0):
+            assert release.wait(30)  # keeps the first tracing ahead busy
+        return x
+
+    function = elastic.MembershipFunction(fn, clock=lambda: now[0])
+    for size in (3, 5):  # first calls
+        membership.update(size=size, rank=0)
+        function(tf.constant(1))
+    now[0] += membership_function.TRACE_AHEAD_AFTER_S
+    membership.update(size=3)
+    function(tf.constant(1))  # traces (2, 0) ahead, which blocks
+    membership.update(size=5)
+    function(tf.constant(1))  # (4, 0) must wait: the thread is busy
+    release.set()
+    assert function.wait_for_traces_ahead(timeout=30) and (4, 0) not in traces
+    function(tf.constant(1))
+    assert function.wait_for_traces_ahead(timeout=30)
+    assert sorted(set(traces)) == [(2, 0), (3, 0), (4, 0), (5, 0)]
