@@ -227,11 +227,21 @@ class Communicator:
             np.divide(result, self.size, out=result, casting="unsafe")
         return result
 
-    def broadcast(self, array, root: int = 0, timeout: Optional[float] = None) -> np.ndarray:
-        """Returns root's ``array`` on every rank; other ranks pass an array of the same shape and dtype."""
+    def broadcast(
+        self, array, root: int = 0, timeout: Optional[float] = None, out: Optional[np.ndarray] = None
+    ) -> np.ndarray:
+        """Returns root's ``array`` on every rank; other ranks pass an array of the same shape and
+        dtype (its values are not read). ``out``: a C-contiguous array of that shape and dtype to
+        receive into (``array`` itself: in place), returned.
+
+        Example (on every rank; ranks other than 0 receive into a buffer never written before)::
+
+            state = params if comm.rank == 0 else np.empty_like(params)
+            comm.broadcast(state, root=0, out=state)
+        """
         array = as_supported_array(array)
         self._check_root(root)
-        result = np.array(array, copy=True)
+        result = self._receive_buffer(array, out) if self.rank != root else self._output_buffer(array, out)
         call = self._begin("broadcast", array.dtype, array.shape, root=root, timeout=timeout)
         with self._running(call):
             if self.size > 1:
@@ -344,9 +354,23 @@ class Communicator:
         for request in requests:
             call.wait(request)
 
+    def _receive_buffer(self, array: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
+        """Where a rank receives what overwrites ``array``'s values: not a copy of them."""
+        if out is None:
+            return np.empty(array.shape, array.dtype)
+        self._check_out(array, out)
+        return out
+
     def _output_buffer(self, array: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
         if out is None:
             return np.array(array, copy=True)
+        self._check_out(array, out)
+        if out is not array:
+            np.copyto(out, array)
+        return out
+
+    @staticmethod
+    def _check_out(array: np.ndarray, out) -> None:
         if (
             not isinstance(out, np.ndarray)
             or out.shape != array.shape
@@ -357,9 +381,6 @@ class Communicator:
                 f"out must be a C-contiguous array of shape {array.shape} and dtype {array.dtype}, "
                 f"got {getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}"
             )
-        if out is not array:
-            np.copyto(out, array)
-        return out
 
     def _check_root(self, root: int) -> None:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:

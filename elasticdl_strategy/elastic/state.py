@@ -269,8 +269,7 @@ class State:
         if communicator.size > 1:
             self._check_same_variables(communicator, variables)
             kept = self._snapshot_everyone_holds(communicator, variables)
-            if kept is None:
-                self._broadcast_variables(communicator, variables)
+            received = None if kept is not None else self._broadcast_variables(communicator, variables)
             position = self.records.position if self.records is not None else Position()
             payload = pickle.dumps((self._values, position, self.commit_id))
             length = communicator.broadcast(np.array([len(payload)], np.int64), root=0)
@@ -281,11 +280,12 @@ class State:
                 self.records.position = position
             self.commit_id = commit_id
         self._snapshots.clear()
-        if kept is None:
+        arrays = kept.arrays if kept is not None else received
+        if arrays is None:  # a single worker
             self._keep(self._snapshot())
-        else:  # the variables are the kept arrays: no copy of them
+        else:  # the variables hold these arrays' values: they are the snapshot, without a copy
             position = self.records.position if self.records is not None else Position()
-            self._keep(Snapshot(kept.arrays, copy.deepcopy(self._values), position, self.commit_id))
+            self._keep(Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id))
 
     def _snapshot_everyone_holds(self, communicator, variables) -> Optional[Snapshot]:
         """The kept snapshot of this worker's commit if every member's variables hold that
@@ -297,19 +297,27 @@ class State:
         return kept if commit >= 0 and highest == -negated_lowest == commit else None
 
     @staticmethod
-    def _broadcast_variables(communicator, variables) -> None:
+    def _broadcast_variables(communicator, variables) -> List[np.ndarray]:
+        """Gives every variable rank 0's value, one broadcast per dtype; returns the values received,
+        one array per variable (views of the broadcast buffers). Other ranks receive into buffers
+        they never wrote: a newcomer's fresh memory is touched once."""
+        values = [np.asarray(v.numpy()) for v in variables]
         groups: Dict[np.dtype, List[int]] = {}
-        arrays = [np.asarray(v.numpy()) for v in variables]
-        for i, array in enumerate(arrays):
-            groups.setdefault(array.dtype, []).append(i)
-        for members in groups.values():
-            fused = np.concatenate([arrays[i].reshape(-1) for i in members])
-            fused = communicator.broadcast(fused, root=0)
+        for i, value in enumerate(values):
+            groups.setdefault(value.dtype, []).append(i)
+        received: List[np.ndarray] = [np.empty(0)] * len(variables)
+        for dtype, members in groups.items():
+            if communicator.rank == 0:
+                fused = np.concatenate([values[i].reshape(-1) for i in members])
+            else:
+                fused = np.empty(sum(values[i].size for i in members), dtype)
+            communicator.broadcast(fused, root=0, out=fused)
             offset = 0
             for i in members:
-                size = arrays[i].size
-                variables[i].assign(fused[offset : offset + size].reshape(arrays[i].shape))
-                offset += size
+                received[i] = fused[offset : offset + values[i].size].reshape(values[i].shape)
+                variables[i].assign(received[i])
+                offset += values[i].size
+        return received
 
     def _prepare_sync(self) -> None:
         """Hook: create what must exist before syncing (e.g. optimizer slots)."""

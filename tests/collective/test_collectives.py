@@ -158,6 +158,22 @@ def test_large_broadcast_uses_scatter_allgather_path(clusters, n):
         np.testing.assert_array_equal(result, data)
 
 
+@pytest.mark.parametrize("nbytes", [64, 1 << 20])  # the direct path and the scatter-allgather one
+def test_broadcast_into_out_and_in_place_without_reading_the_receivers_values(clusters, nbytes, monkeypatch):
+    root = np.arange(nbytes // 8, dtype=np.float64)
+    buffers = [root.copy() if r == 0 else np.full_like(root, np.nan) for r in range(3)]
+    copies = []
+    real_copyto = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: copies.append(dst.nbytes) or real_copyto(dst, src, **kw))
+    results = clusters[3].run(lambda c: c.broadcast(buffers[c.rank], root=0, out=buffers[c.rank]))
+    for r in range(3):
+        assert results[r] is buffers[r]
+        np.testing.assert_array_equal(buffers[r], root)
+    assert copies == []  # in place: nothing copied into the buffers first
+    with pytest.raises(UsageError, match="C-contiguous array of shape"):
+        clusters[3].run(lambda c: c.broadcast(root, root=0, out=np.empty(3)))
+
+
 def test_allreduce_out_and_in_place(clusters):
     arrays = [np.full((3, 4), r + 1, np.float32) for r in range(3)]
     results = clusters[3].run(lambda c: c.allreduce(arrays[c.rank], out=arrays[c.rank]))

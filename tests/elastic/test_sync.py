@@ -27,9 +27,9 @@ def cluster(monkeypatch):
                 local.communicator = communicator
                 real = communicator.broadcast
 
-                def broadcast(array, root=0):
+                def broadcast(array, root=0, **kwargs):
                     c.sent[communicator.rank].append(np.asarray(array).size)
-                    return real(array, root=root)
+                    return real(array, root=root, **kwargs)
 
                 communicator.broadcast = broadcast
                 try:
@@ -116,3 +116,10 @@ def test_a_newcomer_without_the_commit_receives_every_variable(cluster):
     cluster.on_rank(lambda rank: states[rank].sync())
     assert sent_variables(cluster)
     assert (variable(newcomer) == 1.0).all() and newcomer.step == 0
+
+    def train_then_roll_back(rank):  # the snapshot the sync kept is rank 0's state on every rank
+        states[rank].variables()[0].assign(np.full(SIZE, 7.0, np.float32))
+        states[rank].restore(states[rank].commit_id)
+
+    cluster.on_rank(train_then_roll_back)
+    assert all((variable(s) == 1.0).all() for s in states)
