@@ -265,7 +265,8 @@ class State:
         self._prepare_sync()
         communicator = runtime.communicator()
         variables = self.variables()
-        kept = None
+        kept: Optional[Snapshot] = None
+        received: Optional[List[np.ndarray]] = None
         if communicator.size > 1:
             self._check_same_variables(communicator, variables)
             kept = self._snapshot_everyone_holds(communicator, variables)

@@ -32,6 +32,16 @@ def test_restore_rolls_variables_values_and_position_back_to_a_commit():
     assert records.position == Position(epoch=0, batch=1, cursor=2)
 
 
+def test_a_sync_on_a_single_worker_keeps_its_state_as_the_commit_to_roll_back_to():
+    w = tf.Variable([1.0, 2.0])
+    state = elastic.State(variables=[w], epoch=3)
+    state.sync()
+    w.assign([5.0, 6.0])
+    state.epoch = 4
+    state.restore(state.commit_id)
+    assert w.numpy().tolist() == [1.0, 2.0] and state.epoch == 3
+
+
 def test_reserved_value_names_and_bad_intervals_are_refused():
     with pytest.raises(UsageError, match="reserved"):
         elastic.State(commit_id=3)
