@@ -44,7 +44,8 @@ seeded table gathered by record index (``index % 4096``), labels ``index % 10``.
   step (one small all-reduce) and commits when it is true: the leaver leaves at that commit, the others
   re-form without it (no rollback). Leave time = the later survivor's first completed step at size N-1
   after it minus the SIGTERM time. It includes the rest of the step in flight, the vote and the
-  commit, the re-formation, the sync, re-tracing the step function and one step.
+  commit, the re-formation, the sync, tracing the step function (unless traced ahead or reused)
+  and one step.
 * The job ends ``--steps-after-join`` steps after the leave (``--max-steps`` caps a job whose
   replacement never joins); the parent kills every process it started, by pid, afterwards.
 
@@ -53,7 +54,7 @@ The breakdown comes from more events of the same workers: ``step_failed`` = a su
 last member of the new membership began it), ``synced`` = ``elastic.run`` called the training
 function again (re-formed, rolled back and synced), ``admitted`` = the joiner's ``AllReduceStrategy()``
 returned (a membership with it was published), ``built`` = its model and optimizer existed,
-``leave_committed`` = the commit the leaver leaves at returned on a survivor (re-forming follows).
+``leave_commit`` = a survivor began the commit the leaver leaves at (re-forming follows).
 Each worker's log lines get timestamps; the report repeats the library's recovery lines
 ("re-formed in", "training continues ... after the failure"). ``--log-dir`` keeps whole logs.
 All times are ``time.time()`` on one machine. A measurement a repeat could not make is left out of
@@ -199,9 +200,8 @@ def leave_if_targeted(args: argparse.Namespace, events: Events, step: int, regro
     from elasticdl_strategy import runtime
 
     done = args.out / "left"
-    if regrown_at is None or step != regrown_at + args.leave_after or runtime.rank() != args.leave_rank:
-        return
-    if done.exists():
+    due = regrown_at is not None and step == regrown_at + args.leave_after
+    if not due or runtime.rank() != args.leave_rank or done.exists():
         return
     done.touch()
     events.write("leave", step=step, rank=runtime.rank())
@@ -509,7 +509,7 @@ def method_line(args: argparse.Namespace, params: Optional[int]) -> str:
         f"(just before AllReduceStrategy(); process start and TensorFlow import not counted); rank {args.leave_rank} "
         f"SIGTERMs itself {args.leave_after} steps after the join; leave = the survivors' first completed step "
         f"without it (the later one) - SIGTERM time; step: "
-        f"{'a new tf.function per membership' if args.fresh_traces else 'one elastic.function, traces reused'}; "
+        f"{step_kind(args)}; "
         f"machine: {os.cpu_count()} CPU cores (os.cpu_count())."
     )
 
@@ -525,6 +525,12 @@ def median_of(values: Sequence[Optional[float]]) -> Optional[float]:
 
 def verdict(value: Optional[float], target: float) -> str:
     return "n/a" if value is None else ("PASS" if value <= target else "MISS")
+
+
+def step_kind(args: argparse.Namespace) -> str:
+    if args.fresh_traces:
+        return "a new tf.function per membership"
+    return "one elastic.function, traces reused" + (", not traced ahead" if args.no_trace_ahead else ", traced ahead")
 
 
 def medians(repeats: Sequence[Repeat]) -> Dict[str, Optional[float]]:

@@ -22,7 +22,7 @@ Example (what :meth:`~elasticdl_strategy.elastic.State.commit` does)::
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -31,7 +31,6 @@ from elasticdl_strategy.coordinator.position import Position
 from elasticdl_strategy.errors import CollectiveMismatchError
 from elasticdl_strategy.transport.protos import coordinator_pb2
 
-_AGREED = 4  # commit id, epoch, batch, cursor: each as (value, -value)
 RESPONSE_BYTES = 1024  # the coordinator's answer as rank 0 shares it (a longer reason is cut)
 
 
@@ -73,18 +72,34 @@ def commit_for_all(worker, commit_id: int, position: Position, leaving: bool) ->
     return decode(answer)
 
 
+def extremes(
+    communicator: Communicator, values: Sequence[int], flag: int = 0
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The lowest and highest over all members of each of ``values`` (integers), and every rank's
+    ``flag``, from one all-reduce: each value beside its negation, op max. The same on every member.
+
+    Example (on every member)::
+
+        lowest, highest, leaving = extremes(communicator, [commit_id], flag=int(leaves))
+        everyone_agrees = lowest[0] == highest[0]
+    """
+    mine = np.asarray(values, np.int64)
+    n = len(mine)
+    packed = np.zeros(2 * n + communicator.size, np.int64)
+    packed[:n], packed[n : 2 * n] = mine, -mine
+    packed[2 * n + communicator.rank] = flag
+    communicator.allreduce(packed, op="max", out=packed)
+    return -packed[n : 2 * n], packed[:n], packed[2 * n :]
+
+
 def vote(communicator: Communicator, commit_id: int, position: Position, leaving: bool) -> List[int]:
     """The all-reduce of step 1: returns the ranks that leave.
 
     Raises:
         CollectiveMismatchError: on every member alike, when they disagree.
     """
-    mine = np.array([commit_id, position.epoch, position.batch, position.cursor], np.int64)
-    votes = np.zeros(2 * _AGREED + communicator.size, np.int64)
-    votes[:_AGREED], votes[_AGREED : 2 * _AGREED] = mine, -mine
-    votes[2 * _AGREED + communicator.rank] = int(leaving)
-    communicator.allreduce(votes, op="max", out=votes)
-    highest, lowest = votes[:_AGREED], -votes[_AGREED : 2 * _AGREED]
+    mine = [commit_id, position.epoch, position.batch, position.cursor]
+    lowest, highest, leaves = extremes(communicator, mine, flag=int(leaving))
     rank = communicator.rank
     if highest[0] != lowest[0]:
         raise CollectiveMismatchError(
@@ -99,7 +114,7 @@ def vote(communicator: Communicator, commit_id: int, position: Position, leaving
             f"this worker at {position}): the workers disagree on the data consumed",
             rank=rank,
         )
-    return [int(r) for r in np.flatnonzero(votes[2 * _AGREED :])]
+    return [int(r) for r in np.flatnonzero(leaves)]
 
 
 def encode(response: coordinator_pb2.CommitResponse, out: np.ndarray) -> None:

@@ -148,9 +148,11 @@ class State:
 
     # Snapshots --------------------------------------------------------------------------------
 
-    def _snapshot(self) -> Snapshot:
+    def _snapshot(self, arrays: Optional[List[np.ndarray]] = None) -> Snapshot:
+        """The state now; ``arrays``: the variables' values, when held already (else copied)."""
         position = self.records.position if self.records is not None else Position()
-        arrays = [np.array(v.numpy(), copy=True) for v in self.variables()]
+        if arrays is None:
+            arrays = [np.array(v.numpy(), copy=True) for v in self.variables()]
         return Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
 
     def _apply(self, snapshot: Snapshot) -> None:
@@ -281,12 +283,8 @@ class State:
                 self.records.position = position
             self.commit_id = commit_id
         self._snapshots.clear()
-        arrays = kept.arrays if kept is not None else received
-        if arrays is None:  # a single worker
-            self._keep(self._snapshot())
-        else:  # the variables hold these arrays' values: they are the snapshot, without a copy
-            position = self.records.position if self.records is not None else Position()
-            self._keep(Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id))
+        # The variables hold the kept or received arrays' values: they are the snapshot, without a copy.
+        self._keep(self._snapshot(kept.arrays if kept is not None else received))
 
     def _snapshot_everyone_holds(self, communicator, variables) -> Optional[Snapshot]:
         """The kept snapshot of this worker's commit if every member's variables hold that
@@ -294,8 +292,8 @@ class State:
         kept = self._snapshots.get(self.commit_id)
         holds = kept is not None and all(_same_bits(v.numpy(), a) for v, a in zip(variables, kept.arrays, strict=True))
         commit = self.commit_id if holds else -1
-        highest, negated_lowest = communicator.allreduce(np.array([commit, -commit], np.int64), op="max")
-        return kept if commit >= 0 and highest == -negated_lowest == commit else None
+        lowest, highest, _ = agreement.extremes(communicator, [commit])
+        return kept if lowest[0] == highest[0] == commit >= 0 else None
 
     @staticmethod
     def _broadcast_variables(communicator, variables) -> List[np.ndarray]:

@@ -176,7 +176,18 @@ def current_worker() -> Worker:
 
 
 def communicator() -> Communicator:
-    """The communicator of the current membership."""
+    """The communicator of the current membership.
+
+    Raises:
+        UsageError: called within :func:`tracing_for` (a collective there would pair with the
+            other workers' in the wrong order).
+    """
+    shape = getattr(_traced_shape, "value", None)
+    if shape is not None:
+        raise UsageError(
+            f"no collective while tracing ahead for {shape[0]} workers (rank {shape[1]}): the function "
+            "communicates while it is traced (say, creates a variable); it is traced when first called there"
+        )
     return _current().communicator
 
 
@@ -200,7 +211,7 @@ _traced_shape = threading.local()
 def tracing_for(size: int, rank: int) -> Iterator[None]:
     """Within it, :func:`size` and :func:`rank` answer ``size`` and ``rank`` in this thread only:
     for tracing a ``tf.function`` ahead for a membership this worker may be in next. Nothing
-    run within it may communicate (tracing does not)."""
+    run within it may communicate: :func:`communicator` raises there."""
     previous = getattr(_traced_shape, "value", None)
     _traced_shape.value = (size, rank)
     try:
