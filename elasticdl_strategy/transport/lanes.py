@@ -10,12 +10,22 @@ that peer), with no thread of the transport in between.
 
 Layout (inside the arena's first page and the region after it)::
 
-    control page: ... | written (u64, 64) | consumed (u64, 128) | doorbell (u32, 192) | sleepers (u32, 256) | ...
+    control page: ... | written (u64, 64) | consumed (u64, 128) | doorbell (u32, 192) | sleepers (u32, 256)
+                  | restarted at (u64, 320) | ...
     ring:          records, each 8-byte aligned:
                    size u32 | header length u32 | payload length u64 | header | pad | payload | pad
                    or WRAP (u32): the rest of the ring is skipped, the next record is at 0
 
-``written`` and ``consumed`` only grow (bytes, wraps included). The writer
+``written`` and ``consumed`` only grow (bytes, wraps included). A writer
+that finds the ring empty (the reader consumed all) starts over at 0: it
+stores its place in ``restarted at`` and moves to the next multiple of the
+capacity; a reader at that place moves there too, and the writer counts the
+reader as being there already (nothing is left to read before it). So a
+sender and a reader taking turns use the ring's first pages only, which stay
+in the cache and resident (a 2 MiB record there costs ~0.1 ms; in pages not
+touched for a while, several times that). Unlike a WRAP record, the restart
+takes no space in the ring, so nothing written after it must stay clear of
+it. The writer
 copies a record in, then stores ``written`` (x86-64 keeps stores in order, so
 the record is visible first), then bumps the doorbell and wakes any reader
 sleeping on it (:mod:`.futex`); the reader loads ``written``, reads the
@@ -53,7 +63,8 @@ import numpy as np
 from elasticdl_strategy.transport import futex
 
 # In the arena's first page, after its nonce; each word on a cache line of its own.
-WRITTEN_OFFSET, CONSUMED_OFFSET, DOORBELL_OFFSET, SLEEPERS_OFFSET = 64, 128, 192, 256
+WRITTEN_OFFSET, CONSUMED_OFFSET, DOORBELL_OFFSET, SLEEPERS_OFFSET, RESTARTED_OFFSET = 64, 128, 192, 256, 320
+_NEVER = 0xFFFFFFFFFFFFFFFF  # no restart yet (places are multiples of 8)
 _PREFIX = struct.Struct("<IIQ")  # record size, header length, payload length
 _WRAP_MARK = struct.Struct("<I")
 _WRAP = 0xFFFFFFFF
@@ -90,6 +101,10 @@ class _Lane:
         self._doorbell = np.frombuffer(mapping, np.uint32, 1, DOORBELL_OFFSET)
         self._doorbell_address = self._doorbell.ctypes.data
         self._sleepers = np.frombuffer(mapping, np.uint32, 1, SLEEPERS_OFFSET)
+        self._restarted = np.frombuffer(mapping, np.uint64, 1, RESTARTED_OFFSET)
+
+    def _lap_after(self, place: int) -> int:
+        return place - place % self.capacity + self.capacity
 
     @property
     def doorbell(self) -> int:
@@ -113,6 +128,7 @@ class SendLane(_Lane):
     def __init__(self, mapping: mmap.mmap, ring_offset: int, capacity: int):
         super().__init__(mapping, ring_offset, capacity)
         self._position = int(self._written[0])
+        self._restarted[0] = self._restart = _NEVER  # before the arena is offered to the reader
         self._lock = threading.Lock()  # several threads may send to one peer
 
     def try_send(self, header: bytes, payload: memoryview) -> bool:
@@ -122,9 +138,15 @@ class SendLane(_Lane):
         if size > self.capacity // 4:
             return False
         with self._lock:
+            consumed = int(self._consumed[0])
+            if consumed == self._restart:  # the reader moves on from there without reading
+                consumed = self._lap_after(consumed)
+            if consumed == self._position and self._position % self.capacity:  # empty: start over at 0
+                self._restarted[0] = self._restart = self._position
+                self._position = consumed = self._lap_after(self._position)
             start = self._position % self.capacity
             skip = self.capacity - start if size > self.capacity - start else 0
-            if self._position + skip + size - int(self._consumed[0]) > self.capacity:
+            if self._position + skip + size - consumed > self.capacity:
                 return False
             ring = self._bytes
             if skip:
@@ -158,6 +180,8 @@ class ReceiveLane(_Lane):
         written = int(self._written[0])
         if written == self._position:
             return None
+        if self._position == int(self._restarted[0]):  # loaded after written: the writer stores it first
+            self._position = self._lap_after(self._position)
         start = self._position % self.capacity
         ring = self._bytes
         if _WRAP_MARK.unpack_from(ring, start)[0] == _WRAP:

@@ -38,15 +38,46 @@ def test_records_arrive_whole_and_in_order_across_many_wraps(lane_pair):
     send, receive = lane_pair
     rng = np.random.default_rng(0)
     sent = []
-    for i in range(2000):  # about 30 times round the ring
+    for i in range(2000):  # about 30 times round the ring: the reader reads only when the lane is full
         payload = rng.bytes(int(rng.integers(0, 2000)))
         header = f"message {i}".encode()
-        assert send.try_send(header, memoryview(payload))
-        sent.append((header, payload))
-        if i % 7 == 0:
-            assert read_all(receive) == sent[: len(sent)]
+        if not send.try_send(header, memoryview(payload)):
+            assert read_all(receive) == sent
             sent.clear()
+            assert send.try_send(header, memoryview(payload))
+        sent.append((header, payload))
     assert read_all(receive) == sent
+    assert int(send._written[0]) > 25 * LANE
+
+
+def test_an_empty_lane_starts_over_at_its_beginning(lane_pair):
+    send, receive = lane_pair
+    for i in range(100):  # a sender and a reader taking turns: every record at 0
+        payload = bytes([i]) * 3000
+        assert send.try_send(b"turn", memoryview(payload))
+        header, received, end = receive.next_record()
+        assert (bytes(header), bytes(received)) == (b"turn", payload)
+        assert _offset(received, receive) < 64
+        receive.release(end)
+
+
+def test_records_written_before_the_reader_reaches_a_restart_may_fill_the_ring(lane_pair):
+    send, receive = lane_pair
+    quarter = bytes(LANE // 4 - 64)  # a record of just under a quarter of the ring
+    assert send.try_send(b"q", memoryview(quarter)) and send.try_send(b"q", memoryview(quarter))
+    read_all(receive)  # the reader is past the middle of the ring: the next record starts over at 0
+    sent = [(b"h", bytes(100))]
+    assert send.try_send(sent[0][0], memoryview(sent[0][1]))
+    while send.try_send(b"q", memoryview(quarter)):  # over the place of the restart: nothing to read there
+        sent.append((b"q", quarter))
+    assert len(sent) == 5  # the whole ring
+    assert read_all(receive) == sent
+    assert send.try_send(b"again", memoryview(quarter))
+    assert read_all(receive) == [(b"again", quarter)]
+
+
+def _offset(view: memoryview, lane) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data - lane._ring.ctypes.data
 
 
 def test_a_full_lane_or_a_large_message_is_refused_and_nothing_is_written(lane_pair):
@@ -180,3 +211,57 @@ def test_ping_pong_between_processes_loses_no_wake_up(tmp_path):
         if echo.is_alive():
             echo.kill()
         echo.join(timeout=10)
+
+
+STREAMED_RECORDS = 4000
+
+
+def _record(i: int) -> bytes:
+    """Record ``i`` of the stream: sizes from empty to a quarter of the ring, bytes that tell records apart."""
+    size = (i * 7919) % (LANE // 4 - 64) if i % 5 == 0 else (i * 131) % 3000
+    return bytes([i % 251]) * size
+
+
+def _write_stream(directory: str, pipe) -> None:
+    """Writes every record, waiting (polling, with a deadline) while the lane is full."""
+    outbound = SendArena(directory, 2, 64 << 10, lane_bytes=LANE)
+    pipe.send(outbound.offer().SerializeToString())
+    deadline = time.monotonic() + 60
+    for i in range(STREAMED_RECORDS):
+        while not outbound.lane.try_send(str(i).encode(), memoryview(_record(i))):
+            assert time.monotonic() < deadline, "the reader stopped reading"
+    pipe.recv()  # the reader has read the last record: the arena may go
+
+
+def test_records_of_every_size_stream_between_processes_whole_and_in_order(tmp_path):
+    # Both processes run at once on their own cores: the writer fills the ring, restarts at 0
+    # whenever it finds it empty and wraps at its end, while the reader reads in bursts.
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    writer = multiprocessing.get_context("fork").Process(target=_write_stream, args=(str(tmp_path), theirs))
+    writer.start()
+    try:
+        assert ours.poll(30), "the writing process did not start"
+        inbound, refusal = ReceiveArena.open(str(tmp_path), peer_pb2.SharedMemoryOffer.FromString(ours.recv()))
+        assert inbound is not None, refusal
+        rng = np.random.default_rng(1)
+        received = 0
+        deadline = time.monotonic() + 60
+        while received < STREAMED_RECORDS:
+            assert time.monotonic() < deadline, f"record {received} never came"
+            for _ in range(int(rng.integers(1, 8))):
+                record = inbound.lane.next_record()
+                if record is None:
+                    break
+                header, payload, end = record
+                assert bytes(header) == str(received).encode()
+                assert bytes(payload) == _record(received)
+                inbound.lane.release(end)
+                received += 1
+        ours.send("done")
+        writer.join(timeout=30)
+        assert writer.exitcode == 0
+        inbound.close()
+    finally:
+        if writer.is_alive():
+            writer.kill()
+        writer.join(timeout=10)

@@ -22,6 +22,7 @@ def _options(directory, **overrides) -> TransportOptions:
         shared_memory_dir=str(directory),
         shm_slot_size=SLOT,
         shm_slots=4,
+        shm_lane_bytes=4 << 20,  # the messages of these tests are larger than a quarter of it: slots
         inline_threshold=1024,
     )
     settings.update(overrides)
