@@ -9,12 +9,13 @@ are built on, and is exposed to users as ``runtime.send`` / ``recv`` /
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -29,9 +30,10 @@ from elasticdl_strategy.errors import (
     PeerFailureError,
     UsageError,
 )
-from elasticdl_strategy.transport import futex
+from elasticdl_strategy.transport import futex, lanes
 from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.endpoints import open_channel
+from elasticdl_strategy.transport.inbound import MessageWriter
 from elasticdl_strategy.transport.lanes import ReceiveLane
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.outbound import OutboundStream, OutgoingMessage, settle
@@ -393,10 +395,11 @@ class PointToPoint:
         return expected is not None and expected <= self.options.shm_lane_bytes // 4 - _LANE_HEADER_ALLOWANCE
 
     def _spins_for(self, sink: Sink) -> float:
-        """How long to spin for a message ``sink`` takes: ``spin_us`` if it may come by a lane, else 0 (a
-        spinning caller holds the GIL that the stream's thread needs to deliver a large message)."""
+        """How long to spin for a message ``sink`` takes: ``spin_us`` if it may come by a lane (in
+        pieces too), else 0 (a spinning caller holds the GIL that the stream's thread needs to
+        deliver a large message)."""
         expected = sink.expected_nbytes
-        if expected is not None and expected > self.options.shm_lane_bytes // 4 - _LANE_HEADER_ALLOWANCE:
+        if expected is not None and expected > lanes.max_message_bytes(self.options.shm_lane_bytes):
             return 0.0
         return self.options.spin_us * 1e-6
 
@@ -618,6 +621,15 @@ def _ring(lane: ReceiveLane, _future: futures.Future) -> None:
     lane.ring()
 
 
+@dataclasses.dataclass
+class _Pieces:
+    """A message arriving in pieces from a lane: where its bytes go, how many came."""
+
+    writer: MessageWriter
+    received: int
+    nbytes: int
+
+
 class _InboundStream:
     """Receives one peer's stream into the mailbox (StreamReceiver protocol), and its lane when
     the stream has one: read by whichever thread waits for a message from that peer."""
@@ -626,7 +638,8 @@ class _InboundStream:
         self._p2p = p2p
         self._src = src
         self.lane: Optional[ReceiveLane] = None
-        self._lane_lock = threading.Lock()  # one reader at a time
+        self._lane_lock = threading.Lock()  # one reader at a time; guards the lane and _pieces
+        self._pieces: Optional[_Pieces] = None  # the message whose pieces are being read from the lane
 
     def on_header(self, header: peer_pb2.MessageHeader):
         p2p = self._p2p
@@ -639,28 +652,61 @@ class _InboundStream:
         self._p2p._lanes[self._src] = self
 
     def read_lane(self) -> None:
-        """Delivers every message waiting in the lane to the mailbox."""
+        """Delivers every message waiting in the lane to the mailbox (a message in pieces: the
+        pieces written so far)."""
         with self._lane_lock:
-            lane = self.lane
-            while lane is not None:
-                try:
-                    record = lane.next_record()
-                    if record is None:
-                        return
-                    header_bytes, payload, end = record
-                    header = peer_pb2.MessageHeader.FromString(header_bytes)
-                except (ValueError, DecodeError) as e:
-                    self._lane_corrupt(e)
-                    return
-                self._deliver(header, payload, end)
+            while (record := self._next_record()) is not None:
+                header, payload, end = record
+                if header is None:
+                    self._continue(payload, end)
+                else:
+                    self._deliver(header, payload, end)
+
+    def _next_record(self) -> Optional[Tuple[Optional[peer_pb2.MessageHeader], memoryview, int]]:
+        """The lane's next record with its header parsed (None for a piece), or None when the lane
+        is empty or gone (it goes when it holds something that is not a message)."""
+        lane = self.lane
+        if lane is None:
+            return None
+        try:
+            record = lane.next_record()
+            if record is None:
+                return None
+            header_bytes, payload, end = record
+            if (header_bytes is None) != (self._pieces is not None):
+                raise ValueError("a piece without its message" if header_bytes is None else "a message cut short")
+            header = None if header_bytes is None else peer_pb2.MessageHeader.FromString(header_bytes)
+            if header is not None and len(payload) > header.nbytes:
+                raise ValueError(f"{len(payload)} bytes for a message of {header.nbytes}")
+        except (ValueError, DecodeError) as e:
+            self._lane_corrupt(e)
+            return None
+        return header, payload, end
 
     def _deliver(self, header: peer_pb2.MessageHeader, payload: memoryview, end: int) -> None:
-        """Hands a lane record to the mailbox (called with the lane's lock held)."""
+        """Hands a lane record to the mailbox: a whole message, or the first piece of one."""
         writer = self.on_header(header)
         if len(payload):
             writer.write(0, payload, borrowed=True)
-        writer.finish()
         self.lane.release(end)  # type: ignore[union-attr]
+        if len(payload) < header.nbytes:
+            self._pieces = _Pieces(writer, len(payload), header.nbytes)
+        else:
+            writer.finish()
+
+    def _continue(self, payload: memoryview, end: int) -> None:
+        """Hands the next piece of the message in pieces to the mailbox."""
+        pieces = self._pieces
+        assert pieces is not None  # checked by _next_record
+        if pieces.received + len(payload) > pieces.nbytes:
+            self._lane_corrupt(ValueError(f"pieces beyond the message's {pieces.nbytes} bytes"))
+            return
+        pieces.writer.write(pieces.received, payload, borrowed=True)
+        self.lane.release(end)  # type: ignore[union-attr]
+        pieces.received += len(payload)
+        if pieces.received == pieces.nbytes:
+            self._pieces = None
+            pieces.writer.finish()
 
     def _lane_corrupt(self, error: Exception) -> None:
         """The arena holds something that is not a message: the stream cannot be trusted."""
@@ -669,29 +715,29 @@ class _InboundStream:
 
     def take(self, key: Key, sink: Sink) -> Optional[bool]:
         """Reads the lane's next record: True if it is the message ``key`` (written into ``sink``);
-        None if the lane is empty or the record was another message (delivered to the mailbox);
-        False if the lane is gone or the message cannot be handed over (the collectives aborted:
-        the posted receive then fails with the reason).
+        None if the lane is empty or the record was another message or a piece of one (delivered
+        to the mailbox); False if the lane is gone, the message cannot be handed over (the
+        collectives aborted: the posted receive then fails with the reason) or it comes in pieces
+        (left in the lane: the posted receive gets them through the mailbox as they come).
 
         Raises:
             CommunicationError: the message does not fit ``sink`` (a mismatch).
         """
         with self._lane_lock:
-            lane = self.lane
-            if lane is None:
-                return False
-            try:
-                record = lane.next_record()
-                if record is None:
-                    return None
-                header_bytes, payload, end = record
-                header = peer_pb2.MessageHeader.FromString(header_bytes)
-            except (ValueError, DecodeError) as e:
-                self._lane_corrupt(e)
-                return False
+            record = self._next_record()
+            if record is None:
+                return None if self.lane is not None else False
+            header, payload, end = record
+            if header is None:
+                self._continue(payload, end)
+                return None
             if (self._src, header.channel, header.tag, header.sequence) != key:
                 self._deliver(header, payload, end)
                 return None
+            if len(payload) < header.nbytes:
+                return False  # in pieces: through the mailbox once the receive is posted (the record stays)
+            lane = self.lane
+            assert lane is not None
             p2p = self._p2p
             try:
                 if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
@@ -707,10 +753,12 @@ class _InboundStream:
             return True
 
     def _detach_lane(self) -> None:
-        """The stream ended: reads what its lane still holds, then lets go of it (waiters are woken)."""
+        """The stream ended: reads what its lane still holds, then lets go of it (waiters are woken;
+        a message whose pieces stopped coming fails with the stream)."""
         self.read_lane()
         with self._lane_lock:
             lane, self.lane = self.lane, None
+            self._pieces = None
         if self._p2p._lanes.get(self._src) is self:
             del self._p2p._lanes[self._src]
         if lane is not None:

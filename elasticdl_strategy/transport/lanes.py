@@ -15,6 +15,7 @@ Layout (inside the arena's first page and the region after it)::
     ring:          records, each 8-byte aligned:
                    size u32 | header length u32 | payload length u64 | header | pad | payload | pad
                    or WRAP (u32): the rest of the ring is skipped, the next record is at 0
+                   (header length PIECE: no header, the payload continues the message before)
 
 ``written`` and ``consumed`` only grow (bytes, wraps included). A writer
 that finds the ring empty (the reader consumed all) starts over at 0: it
@@ -39,11 +40,17 @@ ring makes it only when ``sleepers`` (the reader's process counts its threads in
 the wait) is not zero: the ringer stores the doorbell, the reader stores ``sleepers``,
 each then passes a full memory barrier before loading the other's word, so at least
 one of them sees the other's store (the reader's kernel then finds the doorbell
-changed and does not sleep, or the ringer finds a sleeper and wakes it). A record that
-does not fit in the free space (or is larger than a quarter of the ring) is
-refused and travels the ordinary way, on the stream: a sender never waits for
-a lane. Messages are matched by their sequence numbers, so a lane may overtake
-the stream.
+changed and does not sleep, or the ringer finds a sleeper and wakes it).
+
+A message whose record would be larger than a quarter of the ring goes in
+pieces of :data:`PIECE_BYTES` (the first with the header), each published
+and rung as soon as it is copied in, so the reader reduces or copies one
+piece while the writer copies the next: a large message is one copy in and
+one pass out, pipelined, by the callers alone. A message that does not fit in
+the free space at once, pieces included (or is larger than half the ring), is
+refused and travels the ordinary way, on the stream: a sender never waits
+for a lane. Messages are matched by their sequence numbers, so a lane may
+overtake the stream.
 
 A lane only exists on an authenticated stream (its arena is offered in the
 stream's hello, behind the job token) whose peer mapped the arena; the
@@ -56,7 +63,7 @@ from __future__ import annotations
 import mmap
 import struct
 import threading
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -68,7 +75,21 @@ _NEVER = 0xFFFFFFFFFFFFFFFF  # no restart yet (places are multiples of 8)
 _PREFIX = struct.Struct("<IIQ")  # record size, header length, payload length
 _WRAP_MARK = struct.Struct("<I")
 _WRAP = 0xFFFFFFFF
+_PIECE = 0xFFFFFFFF  # header length of a record that continues the message before it
 MIN_BYTES, MAX_BYTES = 64 << 10, 64 << 20
+# Messages larger than one record are cut into records of this much payload (at most a quarter of
+# the ring): the reader uses each as it comes while the writer copies the next.
+PIECE_BYTES = 512 << 10
+
+
+def max_message_bytes(capacity: int) -> int:
+    """The largest payload a lane of ``capacity`` bytes takes, in one record or in pieces."""
+    return capacity // 2
+
+
+def piece_bytes(capacity: int) -> int:
+    """The payload of each record of a message in pieces."""
+    return min(PIECE_BYTES, capacity // 8)
 
 
 def _aligned(n: int) -> int:
@@ -132,10 +153,15 @@ class SendLane(_Lane):
         self._lock = threading.Lock()  # several threads may send to one peer
 
     def try_send(self, header: bytes, payload: memoryview) -> bool:
-        """Writes one record and wakes the reader; False, writing nothing, when it does not fit now."""
-        header_end = _PREFIX.size + _aligned(len(header))
-        size = header_end + _aligned(len(payload))
-        if size > self.capacity // 4:
+        """Writes one message and wakes the reader; False, writing nothing, when it does not fit now.
+
+        A message whose record would exceed a quarter of the ring goes in pieces
+        (:func:`piece_bytes` of payload each, the header in the first), each
+        published as soon as it is written; all of them must fit at once, so the
+        writer never waits for the reader. At most :func:`max_message_bytes`.
+        """
+        sizes = self._record_sizes(len(header), len(payload))
+        if sizes is None:
             return False
         with self._lock:
             consumed = int(self._consumed[0])
@@ -144,22 +170,60 @@ class SendLane(_Lane):
             if consumed == self._position and self._position % self.capacity:  # empty: start over at 0
                 self._restarted[0] = self._restart = self._position
                 self._position = consumed = self._lap_after(self._position)
-            start = self._position % self.capacity
-            skip = self.capacity - start if size > self.capacity - start else 0
-            if self._position + skip + size - consumed > self.capacity:
+            if self._end_after(sizes) - consumed > self.capacity:
                 return False
-            ring = self._bytes
-            if skip:
-                _WRAP_MARK.pack_into(ring, start, _WRAP)
-                start = 0
-            _PREFIX.pack_into(ring, start, size, len(header), len(payload))
-            ring[start + _PREFIX.size : start + _PREFIX.size + len(header)] = header
-            if len(payload):
-                ring[start + header_end : start + header_end + len(payload)] = payload.cast("B")
-            self._position += skip + size
-            self._written[0] = self._position  # publish: after the record's bytes
-        self.ring()
+            offset = 0
+            for index, size in enumerate(sizes):
+                first = index == 0
+                length = size - _PREFIX.size - (_aligned(len(header)) if first else 0)
+                length = min(length, len(payload) - offset)
+                self._write_record(size, header if first else None, payload[offset : offset + length])
+                offset += length
+                self.ring()
         return True
+
+    def _record_sizes(self, header_length: int, payload_length: int) -> Optional[List[int]]:
+        """The records of a message, or None when it is too large for this lane."""
+        header_end = _PREFIX.size + _aligned(header_length)
+        if header_end + _aligned(payload_length) <= self.capacity // 4:
+            return [header_end + _aligned(payload_length)]
+        if payload_length > max_message_bytes(self.capacity) or header_end > self.capacity // 8:
+            return None
+        piece = piece_bytes(self.capacity)
+        sizes = [header_end + piece]
+        for start in range(piece, payload_length, piece):
+            sizes.append(_PREFIX.size + _aligned(min(piece, payload_length - start)))
+        return sizes
+
+    def _end_after(self, sizes: List[int]) -> int:
+        """Where the writer would be after writing records of ``sizes``, wraps included."""
+        position = self._position
+        for size in sizes:
+            start = position % self.capacity
+            if size > self.capacity - start:
+                position += self.capacity - start
+            position += size
+        return position
+
+    def _write_record(self, size: int, header: Optional[bytes], payload: memoryview) -> None:
+        """Writes one record at the writer's place (after a WRAP if it does not fit before the end) and
+        publishes it: ``header`` None marks a piece continuing the message before it."""
+        ring = self._bytes
+        start = self._position % self.capacity
+        if size > self.capacity - start:
+            _WRAP_MARK.pack_into(ring, start, _WRAP)
+            self._position += self.capacity - start
+            start = 0
+        header_length = _PIECE if header is None else len(header)
+        _PREFIX.pack_into(ring, start, size, header_length, len(payload))
+        header_end = _PREFIX.size
+        if header is not None:
+            ring[start + _PREFIX.size : start + _PREFIX.size + len(header)] = header
+            header_end += _aligned(len(header))
+        if len(payload):
+            ring[start + header_end : start + header_end + len(payload)] = payload.cast("B")
+        self._position += size
+        self._written[0] = self._position  # publish: after the record's bytes
 
 
 class ReceiveLane(_Lane):
@@ -170,9 +234,10 @@ class ReceiveLane(_Lane):
         self._position = int(self._consumed[0])
         self._sleepers_lock = threading.Lock()  # several threads of this process may wait at once
 
-    def next_record(self) -> Optional[Tuple[memoryview, memoryview, int]]:
+    def next_record(self) -> Optional[Tuple[Optional[memoryview], memoryview, int]]:
         """``(header, payload, end)`` of the next record, or None; both views are valid until
-        :meth:`release`\\ ``(end)``.
+        :meth:`release`\\ ``(end)``. ``header`` is None for a piece continuing the message
+        before it (the payload goes after that message's bytes so far).
 
         Raises:
             ValueError: the ring holds something that is not a record (a corrupt arena).
@@ -188,10 +253,11 @@ class ReceiveLane(_Lane):
             self._position += self.capacity - start
             start = 0
         size, header_length, payload_length = _PREFIX.unpack_from(ring, start)
-        header_end = _PREFIX.size + _aligned(header_length)
+        piece = header_length == _PIECE
+        header_end = _PREFIX.size + (0 if piece else _aligned(header_length))
         if not (header_end + payload_length <= size <= self.capacity // 4 and self._position + size <= written):
             raise ValueError(f"a lane record of {size} bytes at {self._position} does not fit the lane")
-        header = ring[start + _PREFIX.size : start + _PREFIX.size + header_length]
+        header = None if piece else ring[start + _PREFIX.size : start + _PREFIX.size + header_length]
         payload = ring[start + header_end : start + header_end + payload_length]
         return header, payload, self._position + size
 

@@ -166,7 +166,7 @@ class TransportOptions:
     shared_memory_dir: str = "/dev/shm"
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
-    shm_lane_bytes: int = 16 * MiB
+    shm_lane_bytes: int = 32 * MiB
     spin_us: float = 200.0
     data_socket: bool = True
     hierarchical: bool = True

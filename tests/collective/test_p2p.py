@@ -7,11 +7,14 @@ import time
 import numpy as np
 import pytest
 
+from elasticdl_strategy.collective.mailbox import ReduceSink
 from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
+from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.options import TransportOptions
+from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster, transport_options
 
@@ -206,16 +209,56 @@ def asleep_in_futex(native_id: int) -> bool:
         return "futex" in f.read()
 
 
-def test_small_messages_take_the_lane_and_stay_in_order_with_large_ones_on_the_stream(shm_pair):
+def test_messages_up_to_half_the_lane_take_it_and_stay_in_order_with_larger_ones_on_the_stream(shm_pair):
     _, a, b = shm_pair
     before, quarter = a.lane_messages_sent, a.options.shm_lane_bytes // 4
-    # Small ones in the lane (up to a quarter of it), large ones on the stream.
-    sizes = [8, quarter + 1, 16, 3 * quarter, 4096, 1, quarter // 2]
+    # In one record up to a quarter of the lane, in pieces up to half of it, larger ones on the stream.
+    sizes = [8, quarter + 1, 16, 3 * quarter, 4096, 1, quarter // 2, 2 * quarter]
     for i, n in enumerate(sizes):
         a.send(np.full(n, i, np.uint8), dst=1, tag=3)
     for i, n in enumerate(sizes):
         np.testing.assert_array_equal(b.recv(0, tag=3), np.full(n, i, np.uint8))
-    assert a.lane_messages_sent - before == 5
+    assert a.lane_messages_sent - before == 7
+
+
+@pytest.mark.parametrize("posted_first", [True, False], ids=["posted-first", "sent-first"])
+def test_a_message_in_pieces_reaches_a_buffer_and_a_reduction_whole(shm_pair, posted_first):
+    _, a, b = shm_pair
+    n = a.options.shm_lane_bytes * 3 // 8 // 8  # float64: 3/8 of the lane each, in pieces
+    values = np.random.default_rng(3).standard_normal(n)
+    out, acc = np.zeros(n), np.ones(n)
+    before = a.lane_messages_sent
+    if posted_first:
+        copied = b.irecv(0, tag=20, out=out)
+        reduced = b.irecv(0, tag=21, sink=ReduceSink(1, acc, np.add))
+    a.send(values, dst=1, tag=20)
+    a.send(values, dst=1, tag=21)
+    if not posted_first:
+        copied = b.irecv(0, tag=20, out=out)
+        reduced = b.irecv(0, tag=21, sink=ReduceSink(1, acc, np.add))
+    copied.wait(timeout=10)
+    reduced.wait(timeout=10)
+    assert a.lane_messages_sent - before == 2
+    np.testing.assert_array_equal(out, values)
+    np.testing.assert_array_equal(acc, values + 1.0)
+
+
+def test_a_message_whose_pieces_stop_coming_fails_with_its_sender(shm_pair):
+    _, a, b = shm_pair
+    lane = a._streams[1]._lane
+    header = peer_pb2.MessageHeader(channel=0, tag=22, sequence=0, nbytes=3 * lanes.piece_bytes(lane.capacity))
+    first = np.zeros(lanes.piece_bytes(lane.capacity), np.uint8)
+    with lane._lock:  # the first piece only, as from a sender that died while writing the rest
+        lane._write_record(
+            lane._record_sizes(header.ByteSize(), 3 * first.nbytes)[0], header.SerializeToString(), first.data
+        )
+    lane.ring()
+    request = b.irecv(0, tag=22, out=np.zeros(3 * first.nbytes, np.uint8))
+    with pytest.raises(CollectiveTimeoutError):
+        request.wait(timeout=0.3)  # the first piece came, the rest never does
+    b.peer_failed(0, "its stream broke")
+    with pytest.raises(PeerFailureError, match="its stream broke"):
+        request.wait(timeout=5)
 
 
 def test_a_receive_asleep_on_the_lane_wakes_for_its_message(shm_pair):

@@ -26,12 +26,16 @@ def lane_pair(tmp_path):
 
 
 def read_all(lane):
-    records = []
+    """Every message in the lane: (header, payload), a message in pieces put together."""
+    messages = []
     while (record := lane.next_record()) is not None:
         header, payload, end = record
-        records.append((bytes(header), bytes(payload)))
+        if header is None:  # a piece of the message before
+            messages[-1] = (messages[-1][0], messages[-1][1] + bytes(payload))
+        else:
+            messages.append((bytes(header), bytes(payload)))
         lane.release(end)
-    return records
+    return messages
 
 
 def test_records_arrive_whole_and_in_order_across_many_wraps(lane_pair):
@@ -82,7 +86,7 @@ def _offset(view: memoryview, lane) -> int:
 
 def test_a_full_lane_or_a_large_message_is_refused_and_nothing_is_written(lane_pair):
     send, receive = lane_pair
-    assert not send.try_send(b"h", memoryview(bytes(LANE // 4)))  # more than a quarter of the ring
+    assert not send.try_send(b"h", memoryview(bytes(LANE // 2 + 8)))  # more than half the ring
     chunk = bytes(LANE // 4 - 64)
     accepted = 0
     while send.try_send(b"h", memoryview(chunk)):
@@ -92,6 +96,35 @@ def test_a_full_lane_or_a_large_message_is_refused_and_nothing_is_written(lane_p
     assert len(records) == 4 and all(p == chunk for _, p in records)
     assert send.try_send(b"again", memoryview(chunk))  # the space came back
     assert read_all(receive) == [(b"again", chunk)]
+
+
+def test_a_message_larger_than_a_record_goes_in_pieces_each_readable_alone(lane_pair):
+    send, receive = lane_pair
+    payload = np.random.default_rng(2).bytes(LANE // 2 - 100)
+    assert send.try_send(b"large", memoryview(payload))
+    records = []
+    while (record := receive.next_record()) is not None:
+        header, piece, end = record
+        records.append((None if header is None else bytes(header), bytes(piece)))
+        receive.release(end)
+    piece = lanes.piece_bytes(LANE)
+    assert [h for h, _ in records] == [b"large"] + [None] * (len(payload) // piece)
+    assert all(len(p) == piece for _, p in records[:-1])
+    assert b"".join(p for _, p in records) == payload
+    assert send.try_send(b"small", memoryview(b"after"))
+    assert read_all(receive) == [(b"small", b"after")]
+
+
+def test_a_message_in_pieces_that_does_not_fit_at_once_is_refused_whole(lane_pair):
+    send, receive = lane_pair
+    assert send.try_send(b"q", memoryview(bytes(LANE // 4 - 32)))  # unread: half the ring in all
+    assert send.try_send(b"q", memoryview(bytes(LANE // 4 - 32)))
+    written = int(send._written[0])
+    assert not send.try_send(b"large", memoryview(bytes(LANE // 2)))  # half the ring and its records' prefixes
+    assert int(send._written[0]) == written  # no piece of it
+    assert [h for h, _ in read_all(receive)] == [b"q", b"q"]
+    assert send.try_send(b"large", memoryview(bytes(LANE // 2)))
+    assert read_all(receive) == [(b"large", bytes(LANE // 2))]
 
 
 def test_a_record_that_does_not_fit_the_lane_is_reported(lane_pair):
@@ -217,8 +250,9 @@ STREAMED_RECORDS = 4000
 
 
 def _record(i: int) -> bytes:
-    """Record ``i`` of the stream: sizes from empty to a quarter of the ring, bytes that tell records apart."""
-    size = (i * 7919) % (LANE // 4 - 64) if i % 5 == 0 else (i * 131) % 3000
+    """Message ``i`` of the stream: sizes from empty to half the ring (in pieces from a quarter on),
+    bytes that tell messages apart."""
+    size = (i * 7919) % (LANE // 2) if i % 5 == 0 else (i * 131) % 3000
     return bytes([i % 251]) * size
 
 
@@ -233,7 +267,7 @@ def _write_stream(directory: str, pipe) -> None:
     pipe.recv()  # the reader has read the last record: the arena may go
 
 
-def test_records_of_every_size_stream_between_processes_whole_and_in_order(tmp_path):
+def test_messages_of_every_size_stream_between_processes_whole_and_in_order(tmp_path):
     # Both processes run at once on their own cores: the writer fills the ring, restarts at 0
     # whenever it finds it empty and wraps at its end, while the reader reads in bursts.
     ours, theirs = multiprocessing.get_context("fork").Pipe()
@@ -244,19 +278,22 @@ def test_records_of_every_size_stream_between_processes_whole_and_in_order(tmp_p
         inbound, refusal = ReceiveArena.open(str(tmp_path), peer_pb2.SharedMemoryOffer.FromString(ours.recv()))
         assert inbound is not None, refusal
         rng = np.random.default_rng(1)
-        received = 0
+        received, message = 0, b""
         deadline = time.monotonic() + 60
         while received < STREAMED_RECORDS:
-            assert time.monotonic() < deadline, f"record {received} never came"
-            for _ in range(int(rng.integers(1, 8))):
+            assert time.monotonic() < deadline, f"message {received} never came whole"
+            for _ in range(int(rng.integers(1, 8))):  # reads in bursts, a message's pieces as they come
                 record = inbound.lane.next_record()
                 if record is None:
                     break
                 header, payload, end = record
-                assert bytes(header) == str(received).encode()
-                assert bytes(payload) == _record(received)
+                if header is not None:
+                    assert bytes(header) == str(received).encode() and message == b""
+                message += bytes(payload)
                 inbound.lane.release(end)
-                received += 1
+                if len(message) == len(_record(received)):
+                    assert message == _record(received)
+                    received, message = received + 1, b""
         ours.send("done")
         writer.join(timeout=30)
         assert writer.exitcode == 0
