@@ -82,6 +82,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, sigterm_interrupts, write_json_atomically  # noqa: E402
 from setups import make_strategy, run_processes, setup_commands, thread_env  # noqa: E402  (the processes of one setup)
 

@@ -64,6 +64,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 from _common import RUN_TIMEOUT_S, describe, log_tail, run_benchmark, sigterm_interrupts, write_json_atomically  # noqa: E402
 from setups import Command, make_strategy, run_processes, setup_commands  # noqa: E402  (the processes of one setup)
 
