@@ -449,6 +449,8 @@ class Communicator:
         self._check(current, src, theirs)
 
     def _check(self, mine: peer_pb2.CollectiveDescriptor, src: int, theirs: peer_pb2.CollectiveDescriptor) -> None:
+        if mine == theirs:  # every message of a healthy job: one comparison in C
+            return
         differs = _differences(mine, theirs)
         if differs:
             message = (

@@ -41,6 +41,18 @@ def test_every_rank_raises_mismatch_naming_ranks_and_difference(n, odd_call, wha
         assert odd in outcome.ranks or f"rank {odd}" in str(outcome)
 
 
+def test_agreeing_descriptors_are_compared_whole_without_listing_differences(monkeypatch):
+    from elasticdl_strategy.collective import communicator
+
+    def listed(mine, theirs):
+        raise AssertionError(f"differences listed for agreeing calls: {mine} / {theirs}")
+
+    monkeypatch.setattr(communicator, "_differences", listed)  # the slow path, per message, before
+    results = outcomes(3, lambda c: c.allreduce(np.full(4, c.rank, np.float32)))
+    for outcome in results:
+        np.testing.assert_array_equal(outcome, np.full(4, 3, np.float32))
+
+
 def test_mismatch_is_sticky_until_a_new_communicator():
     def program(c):
         shape = 3 if c.rank == 0 else 4
