@@ -96,6 +96,10 @@ class Request:
             self._poll()  # a message in the peer's lane is only delivered by a reader
         return self._future.done()
 
+    def succeeded(self) -> bool:
+        """True once the operation completed without an error (a send into a lane, in ``isend``)."""
+        return self._future.done() and self._future.exception(0) is None
+
     def wait(self, timeout: Optional[float] = None):
         """Waits for completion and returns the received array (``None`` for a send).
 

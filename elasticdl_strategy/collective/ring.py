@@ -58,7 +58,9 @@ class CollectiveCall:
         self._on_slow = on_slow
 
     def send(self, array: np.ndarray, dst: int) -> None:
-        self.sends.append(self.p2p.isend(array, dst, channel=COLLECTIVE_CHANNEL, collective=self.descriptor))
+        request = self.p2p.isend(array, dst, channel=COLLECTIVE_CHANNEL, collective=self.descriptor)
+        if not request.succeeded():  # a send into a lane completes in isend: nothing to wait for
+            self.sends.append(request)
 
     def recv_into(self, out: np.ndarray, src: int) -> Request:
         return self.p2p.irecv(src, channel=COLLECTIVE_CHANNEL, sink=ArraySink(self.p2p.rank, out))

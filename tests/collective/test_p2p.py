@@ -9,6 +9,7 @@ import pytest
 
 from elasticdl_strategy.collective.mailbox import ReduceSink
 from elasticdl_strategy.collective.p2p import PointToPoint
+from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.auth import new_token
@@ -414,3 +415,20 @@ def test_threads_receiving_different_tags_from_one_lane_each_get_theirs(shm_pair
     for thread in threads:
         thread.join(timeout=30)
     assert results == {tag: [tag * 1000.0 + i for i in range(200)] for tag in (20, 21)}
+
+
+def test_a_send_into_the_lane_has_succeeded_when_isend_returns_and_a_collective_keeps_only_the_others(shm_pair):
+    _, a, b = shm_pair
+    sent = a.isend(np.arange(10), dst=1, tag=30)
+    pending = b.irecv(0, tag=31)
+    assert sent.succeeded() and not pending.succeeded()
+    failed = b.irecv(0, tag=32)
+    failed.abandon(PeerFailureError("gone", peer_rank=0))
+    assert failed.done() and not failed.succeeded()
+    call = CollectiveCall(a, peer_pb2.CollectiveDescriptor(op="test"), time.monotonic() + 10)
+    call.send(np.arange(10), 1)
+    assert call.sends == []  # in the lane: nothing left to wait for
+    call.send(np.zeros(a.options.shm_lane_bytes, np.uint8), 1)  # larger than a lane takes: the stream
+    assert len(call.sends) == 1
+    call.finish_sends()
+    np.testing.assert_array_equal(b.recv(0, tag=30), np.arange(10))
