@@ -255,7 +255,7 @@ class PointToPoint:
         self._streams: Dict[int, OutboundStream] = {}
         self._send_sequence: Dict[tuple, int] = {}
         self._failed: Dict[int, str] = {}
-        self._lanes: Dict[int, "_InboundStream"] = {}  # peers whose small messages arrive in a lane
+        self._lanes: Dict[int, "_InboundStream"] = {}  # peers whose messages may arrive in a lane
         self._lanes_possible = options.shared_memory and options.shm_lane_bytes > 0 and futex.AVAILABLE
         # gRPC cancels a call whose future is garbage-collected: keep aborts alive until done.
         self._aborts_in_flight: set = set()

@@ -1,4 +1,4 @@
-"""Lanes: small messages between two workers of one host, written and read by the callers' own threads.
+"""Lanes: messages between two workers of one host, written and read by the callers' own threads.
 
 The slots of a shared-memory arena (:mod:`.shared_memory`) carry large
 payloads, but every piece still needs a frame from the sender's writer thread

@@ -135,9 +135,10 @@ class TransportOptions:
         shm_slot_size: bytes per arena slot (the unit copied in and reduced
             out while the next one is being filled).
         shm_slots: slots per arena (one arena per peer a worker sends to).
-        shm_lane_bytes: bytes of each arena's lane, the ring of small messages
+        shm_lane_bytes: bytes of each arena's lane, the ring of messages
             that callers write and read themselves (:mod:`.lanes`); 0: none.
-            A message goes there when it fits in a quarter of it.
+            A message up to a quarter of it goes there as one record, one up
+            to half of it in pieces, when it fits at the time.
         spin_us: how long a caller waiting for a message on a lane looks
             for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the

@@ -186,7 +186,7 @@ class OutboundStream:
         return shared.bytes_sent if shared is not None else 0
 
     def try_lane(self, header: peer_pb2.MessageHeader, payload: memoryview) -> bool:
-        """Writes a small message into the lane of this stream's arena, in the caller's thread.
+        """Writes a message into the lane of this stream's arena, in the caller's thread.
 
         False, writing nothing, when the stream has no lane in use (no arena, the peer did
         not map it or has not answered yet, the stream is not open) or the message does not
