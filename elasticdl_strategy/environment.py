@@ -25,8 +25,8 @@ EDL_SHARED_MEMORY          1 (default): payloads to peers that can map this work
 EDL_SHM_DIR                directory of the shared-memory arenas (default /dev/shm)
 EDL_SHM_SLOT_SIZE          bytes per arena slot (default 4 MiB)
 EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 8)
-EDL_SHM_LANE_BYTES         bytes of each arena's lane, for messages up to half of it
-                           (default 32 MiB; 0: no lanes)
+EDL_SHM_LANE_BYTES         bytes of each arena's lane, for messages up to 3/4 of it
+                           (default 16 MiB; 0: no lanes)
 EDL_SPIN_US                microseconds a caller polls a lane before it sleeps
                            (default 200; 0: sleep at once)
 EDL_DATA_SOCKET            1 (default): streams not in shared memory move their

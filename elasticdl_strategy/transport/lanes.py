@@ -47,7 +47,7 @@ pieces of :data:`PIECE_BYTES` (the first with the header), each published
 and rung as soon as it is copied in, so the reader reduces or copies one
 piece while the writer copies the next: a large message is one copy in and
 one pass out, pipelined, by the callers alone. A message that does not fit in
-the free space at once, pieces included (or is larger than half the ring), is
+the free space at once, pieces included (or is larger than three quarters of the ring), is
 refused and travels the ordinary way, on the stream: a sender never waits
 for a lane. Messages are matched by their sequence numbers, so a lane may
 overtake the stream.
@@ -84,7 +84,7 @@ PIECE_BYTES = 512 << 10
 
 def max_message_bytes(capacity: int) -> int:
     """The largest payload a lane of ``capacity`` bytes takes, in one record or in pieces."""
-    return capacity // 2
+    return capacity * 3 // 4
 
 
 def piece_bytes(capacity: int) -> int:

@@ -138,7 +138,7 @@ class TransportOptions:
         shm_lane_bytes: bytes of each arena's lane, the ring of messages
             that callers write and read themselves (:mod:`.lanes`); 0: none.
             A message up to a quarter of it goes there as one record, one up
-            to half of it in pieces, when it fits at the time.
+            to three quarters of it in pieces, when it fits at the time.
         spin_us: how long a caller waiting for a message on a lane looks
             for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
@@ -167,7 +167,7 @@ class TransportOptions:
     shared_memory_dir: str = "/dev/shm"
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
-    shm_lane_bytes: int = 32 * MiB
+    shm_lane_bytes: int = 16 * MiB
     spin_us: float = 200.0
     data_socket: bool = True
     hierarchical: bool = True

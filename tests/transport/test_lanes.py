@@ -86,7 +86,7 @@ def _offset(view: memoryview, lane) -> int:
 
 def test_a_full_lane_or_a_large_message_is_refused_and_nothing_is_written(lane_pair):
     send, receive = lane_pair
-    assert not send.try_send(b"h", memoryview(bytes(LANE // 2 + 8)))  # more than half the ring
+    assert not send.try_send(b"h", memoryview(bytes(LANE * 3 // 4 + 8)))  # more than three quarters of the ring
     chunk = bytes(LANE // 4 - 64)
     accepted = 0
     while send.try_send(b"h", memoryview(chunk)):
@@ -117,14 +117,13 @@ def test_a_message_larger_than_a_record_goes_in_pieces_each_readable_alone(lane_
 
 def test_a_message_in_pieces_that_does_not_fit_at_once_is_refused_whole(lane_pair):
     send, receive = lane_pair
-    assert send.try_send(b"q", memoryview(bytes(LANE // 4 - 32)))  # unread: half the ring in all
-    assert send.try_send(b"q", memoryview(bytes(LANE // 4 - 32)))
+    assert send.try_send(b"q", memoryview(bytes(LANE // 4 - 32)))  # unread: a quarter of the ring
     written = int(send._written[0])
-    assert not send.try_send(b"large", memoryview(bytes(LANE // 2)))  # half the ring and its records' prefixes
+    assert not send.try_send(b"large", memoryview(bytes(LANE * 3 // 4)))  # 3/4 of the ring and its records' prefixes
     assert int(send._written[0]) == written  # no piece of it
-    assert [h for h, _ in read_all(receive)] == [b"q", b"q"]
-    assert send.try_send(b"large", memoryview(bytes(LANE // 2)))
-    assert read_all(receive) == [(b"large", bytes(LANE // 2))]
+    assert [h for h, _ in read_all(receive)] == [b"q"]
+    assert send.try_send(b"large", memoryview(bytes(LANE * 3 // 4)))
+    assert read_all(receive) == [(b"large", bytes(LANE * 3 // 4))]
 
 
 def test_a_record_that_does_not_fit_the_lane_is_reported(lane_pair):
@@ -250,9 +249,9 @@ STREAMED_RECORDS = 4000
 
 
 def _record(i: int) -> bytes:
-    """Message ``i`` of the stream: sizes from empty to half the ring (in pieces from a quarter on),
+    """Message ``i`` of the stream: sizes from empty to 3/4 of the ring (in pieces from a quarter on),
     bytes that tell messages apart."""
-    size = (i * 7919) % (LANE // 2) if i % 5 == 0 else (i * 131) % 3000
+    size = (i * 7919) % (LANE * 3 // 4) if i % 5 == 0 else (i * 131) % 3000
     return bytes([i % 251]) * size
 
 
