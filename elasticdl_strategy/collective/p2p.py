@@ -49,7 +49,7 @@ COLLECTIVE_CHANNEL = 1
 _LANE_WAIT_SLICE_S = 0.5
 # A receive from a peer without a lane looks this often whether one appeared (its stream opened).
 _NO_LANE_SLICE_S = 0.02
-# A lane takes messages up to a quarter of it, header included: about this much is headers.
+# A lane takes a message in one record up to a quarter of it, header included: about this much is headers.
 _LANE_HEADER_ALLOWANCE = 1024
 _DONE: futures.Future = futures.Future()  # the future of every send that completed in the caller
 _DONE.set_result(None)
