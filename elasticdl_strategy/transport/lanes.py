@@ -26,8 +26,9 @@ sender and a reader taking turns use the ring's first pages only, which stay
 in the cache and resident (a 2 MiB record there costs ~0.1 ms; in pages not
 touched for a while, several times that). Unlike a WRAP record, the restart
 takes no space in the ring, so nothing written after it must stay clear of
-it. The writer
-copies a record in, then stores ``written`` (x86-64 keeps stores in order, so
+it.
+
+The writer copies a record in, then stores ``written`` (x86-64 keeps stores in order, so
 the record is visible first), then bumps the doorbell and wakes any reader
 sleeping on it (:mod:`.futex`); the reader loads ``written``, reads the
 records up to it and stores ``consumed``. A reader sleeps on the doorbell, not
@@ -46,10 +47,10 @@ A message whose record would be larger than a quarter of the ring goes in
 pieces of :data:`PIECE_BYTES` (the first with the header), each published
 and rung as soon as it is copied in, so the reader reduces or copies one
 piece while the writer copies the next: a large message is one copy in and
-one pass out, pipelined, by the callers alone. A message that does not fit in
-the free space at once, pieces included (or is larger than three quarters of the ring), is
-refused and travels the ordinary way, on the stream: a sender never waits
-for a lane. Messages are matched by their sequence numbers, so a lane may
+one pass out, pipelined, by the callers alone. A message that does not fit
+in the free space at once, pieces included (or is larger than three quarters
+of the ring), is refused and travels the ordinary way, on the stream: a
+sender never waits for a lane. Messages are matched by their sequence numbers, so a lane may
 overtake the stream.
 
 A lane only exists on an authenticated stream (its arena is offered in the
