@@ -33,6 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
+
 from benchmarks._common import format_size, sigterm_interrupts, stop  # noqa: E402
 
 RUN_TIMEOUT_S = 900

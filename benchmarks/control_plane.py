@@ -55,6 +55,8 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
+
 from benchmarks._common import free_ports, sigterm_interrupts, stop  # noqa: E402
 
 HEARTBEAT_INTERVAL_S = 1.0

@@ -29,6 +29,8 @@ from typing import List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
+
 from benchmarks._common import format_size, sigterm_interrupts, stop  # noqa: E402
 from tests import netns  # noqa: E402
 

@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 from _common import log_tail, run_benchmark, sigterm_interrupts  # noqa: E402
 from train_step import INPUT_SHAPES, NUM_CLASSES, build_model  # noqa: E402
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkout  # noqa: F401,E402  (first: the checkout's elasticdl_strategy, in this process and its children)
 from _common import free_ports, launch, stop, wait_all  # noqa: E402
 
 KINDS = ("single", "tf", "ours")
