@@ -1,5 +1,6 @@
-"""Lanes: the ring of small messages in an arena, written and read by the callers' threads."""
+"""Lanes: the ring of messages in an arena, written and read by the callers' threads."""
 
+import contextlib
 import multiprocessing
 import threading
 import time
@@ -206,6 +207,29 @@ def _next_record_or_sleep(lane) -> bytes:
         assert time.monotonic() - started < 1.0, "a wake-up was lost"
 
 
+@contextlib.contextmanager
+def _peer_process(tmp_path, target, *args):
+    """Runs ``target(directory, *args, pipe)`` in a forked process, which sends the offer of an arena
+    it writes first; yields ``(pipe, that arena mapped here)``. At the end tells it "done" and
+    checks that it exited cleanly; the process is killed (by pid) whatever happened."""
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    process = multiprocessing.get_context("fork").Process(target=target, args=(str(tmp_path), *args, theirs))
+    process.start()
+    try:
+        assert ours.poll(30), "the other process did not start"
+        inbound, refusal = ReceiveArena.open(str(tmp_path), peer_pb2.SharedMemoryOffer.FromString(ours.recv()))
+        assert inbound is not None, refusal
+        yield ours, inbound
+        ours.send("done")
+        process.join(timeout=30)
+        assert process.exitcode == 0
+        inbound.close()
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=10)
+
+
 def _echo(directory: str, offer: bytes, pipe) -> None:
     """The other process of the ping-pong: echoes every record back on its own arena's lane."""
     inbound, refusal = ReceiveArena.open(directory, peer_pb2.SharedMemoryOffer.FromString(offer))
@@ -222,27 +246,11 @@ def test_ping_pong_between_processes_loses_no_wake_up(tmp_path):
     # Both sides sleep for every record (no spinning): each of the 6000 records races a ring
     # against a sleep across two processes; a lost wake-up would sleep out its timeout.
     outbound = SendArena(str(tmp_path), 2, 64 << 10, lane_bytes=LANE)
-    ours, theirs = multiprocessing.get_context("fork").Pipe()
-    echo = multiprocessing.get_context("fork").Process(
-        target=_echo, args=(str(tmp_path), outbound.offer().SerializeToString(), theirs)
-    )
-    echo.start()
-    try:
-        assert ours.poll(30), "the echoing process did not start"
-        inbound, refusal = ReceiveArena.open(str(tmp_path), peer_pb2.SharedMemoryOffer.FromString(ours.recv()))
-        assert inbound is not None, refusal
+    with _peer_process(tmp_path, _echo, outbound.offer().SerializeToString()) as (pipe, inbound):
         for i in range(ROUND_TRIPS):
             assert outbound.lane.try_send(str(i).encode(), memoryview(b""))
             assert _next_record_or_sleep(inbound.lane) == str(i).encode()
-        assert ours.poll(30) and ours.recv() == "echoed"
-        ours.send("done")
-        echo.join(timeout=30)
-        assert echo.exitcode == 0
-        inbound.close()
-    finally:
-        if echo.is_alive():
-            echo.kill()
-        echo.join(timeout=10)
+        assert pipe.poll(30) and pipe.recv() == "echoed"
 
 
 STREAMED_RECORDS = 4000
@@ -269,13 +277,7 @@ def _write_stream(directory: str, pipe) -> None:
 def test_messages_of_every_size_stream_between_processes_whole_and_in_order(tmp_path):
     # Both processes run at once on their own cores: the writer fills the ring, restarts at 0
     # whenever it finds it empty and wraps at its end, while the reader reads in bursts.
-    ours, theirs = multiprocessing.get_context("fork").Pipe()
-    writer = multiprocessing.get_context("fork").Process(target=_write_stream, args=(str(tmp_path), theirs))
-    writer.start()
-    try:
-        assert ours.poll(30), "the writing process did not start"
-        inbound, refusal = ReceiveArena.open(str(tmp_path), peer_pb2.SharedMemoryOffer.FromString(ours.recv()))
-        assert inbound is not None, refusal
+    with _peer_process(tmp_path, _write_stream) as (_, inbound):
         rng = np.random.default_rng(1)
         received, message = 0, b""
         deadline = time.monotonic() + 60
@@ -293,11 +295,3 @@ def test_messages_of_every_size_stream_between_processes_whole_and_in_order(tmp_
                 if len(message) == len(_record(received)):
                     assert message == _record(received)
                     received, message = received + 1, b""
-        ours.send("done")
-        writer.join(timeout=30)
-        assert writer.exitcode == 0
-        inbound.close()
-    finally:
-        if writer.is_alive():
-            writer.kill()
-        writer.join(timeout=10)
