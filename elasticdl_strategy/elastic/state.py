@@ -17,13 +17,13 @@ import contextlib
 import copy
 import logging
 import pickle
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from elasticdl_strategy import runtime
 from elasticdl_strategy.data.records import ElasticRecords, Position
-from elasticdl_strategy.elastic import agreement
+from elasticdl_strategy.elastic import agreement, variable_sync
 from elasticdl_strategy.elastic.checkpoint import CheckpointStore
 from elasticdl_strategy.elastic.snapshot import Snapshot
 from elasticdl_strategy.errors import (
@@ -152,7 +152,7 @@ class State:
         """The state now; ``arrays``: the variables' values, when held already (else copied)."""
         position = self.records.position if self.records is not None else Position()
         if arrays is None:
-            arrays = [np.array(v.numpy(), copy=True) for v in self.variables()]
+            arrays = [np.array(_value_of(v), copy=True) for v in self.variables()]
         return Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
 
     def _apply(self, snapshot: Snapshot) -> None:
@@ -271,8 +271,7 @@ class State:
         received: Optional[List[np.ndarray]] = None
         if communicator.size > 1:
             self._check_same_variables(communicator, variables)
-            kept = self._snapshot_everyone_holds(communicator, variables)
-            received = None if kept is not None else self._broadcast_variables(communicator, variables)
+            kept, received = self._sync_variables(communicator, variables)
             position = self.records.position if self.records is not None else Position()
             payload = pickle.dumps((self._values, position, self.commit_id))
             length = communicator.broadcast(np.array([len(payload)], np.int64), root=0)
@@ -286,37 +285,24 @@ class State:
         # The variables hold the kept or received arrays' values: they are the snapshot, without a copy.
         self._keep(self._snapshot(kept.arrays if kept is not None else received))
 
-    def _snapshot_everyone_holds(self, communicator, variables) -> Optional[Snapshot]:
-        """The kept snapshot of this worker's commit if every member's variables hold that
-        commit's snapshot bit for bit (one small all-reduce); ``None`` otherwise."""
+    def _sync_variables(self, communicator, variables) -> Tuple[Optional[Snapshot], Optional[List[np.ndarray]]]:
+        """Gives every member rank 0's variables, sending them only to members whose variables do
+        not hold rank 0's commit already (:mod:`.variable_sync`). Returns the kept snapshot this
+        worker's variables hold (``None`` if they hold none), and the values it received
+        (``None`` if it received none)."""
+        values = [_value_of(v) for v in variables]
         kept = self._snapshots.get(self.commit_id)
-        holds = kept is not None and all(_same_bits(v.numpy(), a) for v, a in zip(variables, kept.arrays, strict=True))
-        commit = self.commit_id if holds else -1
-        lowest, highest, _ = agreement.extremes(communicator, [commit])
-        return kept if lowest[0] == highest[0] == commit >= 0 else None
-
-    @staticmethod
-    def _broadcast_variables(communicator, variables) -> List[np.ndarray]:
-        """Gives every variable rank 0's value, one broadcast per dtype; returns the values received,
-        one array per variable (views of the broadcast buffers). Other ranks receive into buffers
-        they never wrote: a newcomer's fresh memory is touched once."""
-        values = [np.asarray(v.numpy()) for v in variables]
-        groups: Dict[np.dtype, List[int]] = {}
-        for i, value in enumerate(values):
-            groups.setdefault(value.dtype, []).append(i)
-        received: List[np.ndarray] = [np.empty(0)] * len(variables)
-        for dtype, members in groups.items():
-            if communicator.rank == 0:
-                fused = np.concatenate([values[i].reshape(-1) for i in members])
-            else:
-                fused = np.empty(sum(values[i].size for i in members), dtype)
-            communicator.broadcast(fused, root=0, out=fused)
-            offset = 0
-            for i in members:
-                received[i] = fused[offset : offset + values[i].size].reshape(values[i].shape)
-                variables[i].assign(received[i])
-                offset += values[i].size
-        return received
+        if kept is not None and not all(_same_bits(v, a) for v, a in zip(values, kept.arrays, strict=True)):
+            kept = None
+        transfer = variable_sync.plan(
+            variable_sync.held_commits(communicator, self.commit_id if kept is not None else variable_sync.NO_COMMIT)
+        )
+        received = variable_sync.send(communicator, values, transfer)
+        if received is None:
+            return kept, None
+        for variable, value in zip(variables, received, strict=True):
+            variable.assign(value)
+        return None, received
 
     def _prepare_sync(self) -> None:
         """Hook: create what must exist before syncing (e.g. optimizer slots)."""
@@ -392,9 +378,18 @@ class KerasState(State):
         return [CommitStateCallback(self, batches_per_commit)]
 
 
-def _same_bits(value, array: np.ndarray) -> bool:
+def _value_of(variable) -> np.ndarray:
+    """The variable's value now, without a copy where TensorFlow allows (a later write to the
+    variable copies first: the array keeps this value)."""
+    import tensorflow as tf
+
+    return np.asarray(tf.convert_to_tensor(variable))
+
+
+def _same_bits(value: np.ndarray, array: np.ndarray) -> bool:
     """Whether ``value`` holds exactly ``array``'s bytes (``-0.0`` is not ``0.0``, a NaN equals itself)."""
     value, array = np.ascontiguousarray(value), np.ascontiguousarray(array)
     if value.dtype != array.dtype or value.shape != array.shape:
         return False
-    return bool(np.array_equal(value.reshape(-1).view(np.uint8), array.reshape(-1).view(np.uint8)))
+    word = np.uint64 if value.nbytes % 8 == 0 else np.uint8  # 8 bytes per comparison where they divide
+    return bool(np.array_equal(value.reshape(-1).view(word), array.reshape(-1).view(word)))

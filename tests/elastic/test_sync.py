@@ -1,5 +1,5 @@
 """State.sync on three ranks (threads): everyone ends with rank 0's state, and the variables travel
-only when some member may hold others."""
+only to members that may hold others."""
 
 import threading
 
@@ -10,32 +10,34 @@ import tensorflow as tf
 from elasticdl_strategy import elastic, runtime
 from tests.cluster import ThreadCluster
 
-SIZE = 4096  # elements of the variable: a broadcast of it is told apart from the small ones by size
+SIZE = 4096  # elements of the variable: its transfer is told apart from the small ones by size
 
 
 @pytest.fixture
 def cluster(monkeypatch):
     """Three ranks; ``runtime.communicator()`` answers each rank's thread with its own communicator,
-    whose broadcasts are recorded (element counts) in ``cluster.sent[rank]``."""
+    whose broadcasts and scatters are recorded (element counts received) in ``cluster.got[rank]``."""
     local = threading.local()
     monkeypatch.setattr(runtime, "communicator", lambda: local.communicator)
     with ThreadCluster(3) as c:
-        c.sent = [[] for _ in range(c.size)]
+        c.got = [[] for _ in range(c.size)]
 
         def on_rank(fn):
             def run(communicator):
                 local.communicator = communicator
-                real = communicator.broadcast
+                for name in ("broadcast", "scatter"):
+                    real = getattr(communicator, name)
 
-                def broadcast(array, root=0, **kwargs):
-                    c.sent[communicator.rank].append(np.asarray(array).size)
-                    return real(array, root=root, **kwargs)
+                    def recorded(*args, real=real, **kwargs):
+                        result = real(*args, **kwargs)
+                        c.got[communicator.rank].append(result.size)
+                        return result
 
-                communicator.broadcast = broadcast
+                    setattr(communicator, name, recorded)
                 try:
                     return fn(communicator.rank)
                 finally:
-                    del communicator.broadcast
+                    del communicator.broadcast, communicator.scatter
 
             return c.run(run)
 
@@ -55,18 +57,18 @@ def variable(state):
     return state.variables()[0].numpy()
 
 
-def sent_variables(cluster):
-    """Whether any rank broadcast the variable since the last call."""
-    sent = any(count == SIZE for per_rank in cluster.sent for count in per_rank)
-    for per_rank in cluster.sent:
-        per_rank.clear()
-    return sent
+def receivers(cluster):
+    """The ranks other than 0 that received the variable since the last call."""
+    got = {rank for rank, counts in enumerate(cluster.got) if rank != 0 and SIZE in counts}
+    for counts in cluster.got:
+        counts.clear()
+    return got
 
 
 def test_members_holding_the_commit_they_rolled_back_to_exchange_no_variables(cluster):
     states = make_states([1.0, 2.0, 3.0])
     cluster.on_rank(lambda rank: states[rank].sync())  # nobody holds a commit yet: rank 0's everywhere
-    assert sent_variables(cluster)
+    assert receivers(cluster) == {1, 2}
     assert all((variable(s) == 1.0).all() and s.step == 0 for s in states)
 
     def train_then_roll_back(rank):
@@ -76,14 +78,14 @@ def test_members_holding_the_commit_they_rolled_back_to_exchange_no_variables(cl
         states[rank].sync()
 
     cluster.on_rank(train_then_roll_back)
-    assert not sent_variables(cluster)
+    assert receivers(cluster) == set()
     assert all((variable(s) == 1.0).all() and s.step == 0 for s in states)
 
 
-def test_a_variable_a_reset_callback_changed_on_one_member_comes_from_rank_0(cluster):
+def test_a_variable_a_reset_callback_changed_on_one_member_comes_from_rank_0_to_it_alone(cluster):
     states = make_states([1.0, 1.0, 1.0])
     cluster.on_rank(lambda rank: states[rank].sync())
-    sent_variables(cluster)
+    receivers(cluster)
     changed = np.full(SIZE, 1.0, np.float32)
     changed[-1] = 5.0  # one element, on rank 2 only
     states[2].register_reset_callbacks([lambda: states[2].variables()[0].assign(changed)])
@@ -93,28 +95,43 @@ def test_a_variable_a_reset_callback_changed_on_one_member_comes_from_rank_0(clu
         states[rank].sync()
 
     cluster.on_rank(reset_and_sync)
-    assert sent_variables(cluster)
+    assert receivers(cluster) == {2}
     assert all((variable(s) == 1.0).all() for s in states)
+
+
+def test_a_variable_a_reset_callback_changed_on_rank_0_goes_to_everyone(cluster):
+    states = make_states([1.0, 1.0, 1.0])
+    cluster.on_rank(lambda rank: states[rank].sync())
+    receivers(cluster)
+    states[0].register_reset_callbacks([lambda: states[0].variables()[0].assign(np.full(SIZE, 3.0, np.float32))])
+
+    def reset_and_sync(rank):
+        states[rank].on_reset()
+        states[rank].sync()
+
+    cluster.on_rank(reset_and_sync)
+    assert receivers(cluster) == {1, 2}
+    assert all((variable(s) == 3.0).all() for s in states)
 
 
 def test_a_sign_of_zero_is_a_difference(cluster):
     states = make_states([0.0, 0.0, 0.0])
     cluster.on_rank(lambda rank: states[rank].sync())
-    sent_variables(cluster)
+    receivers(cluster)
     states[1].variables()[0].assign(np.full(SIZE, -0.0, np.float32))  # == 0.0, other bits
     cluster.on_rank(lambda rank: states[rank].sync())
-    assert sent_variables(cluster)
+    assert receivers(cluster) == {1}
     assert not np.signbit(variable(states[1])).any()
 
 
-def test_a_newcomer_without_the_commit_receives_every_variable(cluster):
+def test_a_newcomer_without_the_commit_alone_receives_every_variable(cluster):
     states = make_states([1.0, 1.0, 1.0])
     cluster.on_rank(lambda rank: states[rank].sync())
-    sent_variables(cluster)
+    receivers(cluster)
     newcomer = elastic.State(variables=[tf.Variable(np.full(SIZE, 4.0, np.float32))], step=2)
     states[2] = newcomer  # a new process in rank 2's place: it holds no commit
     cluster.on_rank(lambda rank: states[rank].sync())
-    assert sent_variables(cluster)
+    assert receivers(cluster) == {2}
     assert (variable(newcomer) == 1.0).all() and newcomer.step == 0
 
     def train_then_roll_back(rank):  # the snapshot the sync kept is rank 0's state on every rank
