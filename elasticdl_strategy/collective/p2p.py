@@ -33,7 +33,7 @@ from elasticdl_strategy.errors import (
 from elasticdl_strategy.transport import futex, lanes
 from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.endpoints import open_channel
-from elasticdl_strategy.transport.inbound import MessageWriter
+from elasticdl_strategy.transport.inbound import MessageWriter, SocketFrames
 from elasticdl_strategy.transport.lanes import ReceiveLane
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.outbound import OutboundStream, OutgoingMessage, settle
@@ -51,6 +51,9 @@ _LANE_WAIT_SLICE_S = 0.5
 _NO_LANE_SLICE_S = 0.02
 # A lane takes a message in one record up to a quarter of it, header included: about this much is headers.
 _LANE_HEADER_ALLOWANCE = 1024
+# A message up to this size is written on a data socket by its sender without first making sure that
+# the stream's thread reads what the peer sends meanwhile: it fits the socket's buffers.
+_SOCKET_WRITE_WITHOUT_READER_BYTES = 64 << 10
 _DONE: futures.Future = futures.Future()  # the future of every send that completed in the caller
 _DONE.set_result(None)
 
@@ -256,6 +259,7 @@ class PointToPoint:
         self._send_sequence: Dict[tuple, int] = {}
         self._failed: Dict[int, str] = {}
         self._lanes: Dict[int, "_InboundStream"] = {}  # peers whose messages may arrive in a lane
+        self._sockets: Dict[int, "_InboundStream"] = {}  # peers whose stream came over a data socket
         self._lanes_possible = options.shared_memory and options.shm_lane_bytes > 0 and futex.AVAILABLE
         # gRPC cancels a call whose future is garbage-collected: keep aborts alive until done.
         self._aborts_in_flight: set = set()
@@ -305,12 +309,21 @@ class PointToPoint:
         if stream.try_lane(header, view):  # copied into the peer's lane: done
             self.lane_messages_sent += 1
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
+        if payload.nbytes > _SOCKET_WRITE_WITHOUT_READER_BYTES:
+            self._let_stream_thread_read(dst)  # the peer may write to us meanwhile, and wait for room
+        if stream.try_socket(header, view):  # written on the data socket: done
+            return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
         inline = payload.nbytes <= self.options.inline_threshold
         if inline:
             header.inline_data = payload.tobytes()
         message = OutgoingMessage(header, view[:0] if inline else view, header.chunk_size)
         stream.submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
+
+    def _let_stream_thread_read(self, peer: int) -> None:
+        inbound = self._sockets.get(peer)
+        if inbound is not None and inbound.socket is not None:
+            inbound.socket.hand_to_server()
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, timeout: Optional[float] = None) -> None:
         """Sends ``array`` to ``dst`` and returns once it has been handed to the transport."""
@@ -377,6 +390,8 @@ class PointToPoint:
         if self._lanes_possible:
             progress = functools.partial(self._wait_reading_lane, src, self._spins_for(sink))
             poll = functools.partial(self._read_lane_of, src)
+        elif self.options.data_socket:
+            progress = functools.partial(self._wait_reading_socket, src)
         return Request(
             future,
             describe,
@@ -451,10 +466,13 @@ class PointToPoint:
         deadline = time.monotonic() + timeout
         spin_until = time.monotonic() + spin_s
         rings_on_completion = False
+        future.add_done_callback(functools.partial(self._wake_socket_reader, src))  # for a peer without a lane
         while True:
             inbound = self._lanes.get(src)
             lane = inbound.lane if inbound is not None else None
             if lane is None:
+                if self._read_socket_of(src, future, deadline):
+                    return future.result(0)
                 # No lane (yet): the stream's thread completes the future. Look again now and then,
                 # as a stream that opens meanwhile brings a lane its first messages may come by.
                 remaining = deadline - time.monotonic()
@@ -478,6 +496,49 @@ class PointToPoint:
                 rings_on_completion = True
                 continue  # look once more: it may have completed before the callback was added
             lane.wait(seen, min(deadline - now, _LANE_WAIT_SLICE_S))
+
+    def _wait_reading_socket(self, src: int, future: futures.Future, timeout: float):
+        """Waits for a receive from ``src``, reading ``src``'s data socket in this thread meanwhile
+        whenever no other thread does (else the stream's thread completes the future; this one
+        looks again now and then).
+
+        Raises:
+            futures.TimeoutError: not complete within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        future.add_done_callback(functools.partial(self._wake_socket_reader, src))
+        while not future.done():
+            if self._read_socket_of(src, future, deadline):
+                break
+            remaining = deadline - time.monotonic()
+            try:
+                return future.result(max(0.0, min(remaining, _NO_LANE_SLICE_S)))
+            except futures.TimeoutError:
+                if remaining <= _NO_LANE_SLICE_S:
+                    raise
+        return future.result(0)
+
+    def _read_socket_of(self, src: int, future: futures.Future, deadline: float) -> bool:
+        """Reads ``src``'s data socket in this thread until ``future`` is done (True) or ``deadline``
+        (``time.monotonic()``) passes; False at once if it cannot now (no socket, or another thread
+        reads it). ``future`` must wake the socket's reader when done (:meth:`_wake_socket_reader`).
+
+        Raises:
+            futures.TimeoutError: the deadline passed.
+        """
+        inbound = self._sockets.get(src)
+        socket = inbound.socket if inbound is not None else None
+        waiting = lambda: not future.done()  # noqa: E731
+        if socket is None or not socket.read_while(inbound, waiting, deadline, self.options.spin_us * 1e-6):  # type: ignore[arg-type]
+            return False
+        if not future.done():
+            raise futures.TimeoutError()
+        return True
+
+    def _wake_socket_reader(self, src: int, _future: futures.Future) -> None:
+        inbound = self._sockets.get(src)
+        if inbound is not None and inbound.socket is not None:
+            inbound.socket.wake_reader()
 
     # ---- the StreamListener side, called by the worker server -----------------------------
 
@@ -641,6 +702,7 @@ class _InboundStream:
     def __init__(self, p2p: PointToPoint, src: int):
         self._p2p = p2p
         self._src = src
+        self.socket: Optional[SocketFrames] = None  # the stream's data socket, once it moved there
         self.lane: Optional[ReceiveLane] = None
         self._lane_lock = threading.Lock()  # one reader at a time; guards the lane and _pieces
         self._pieces: Optional[_Pieces] = None  # the message whose pieces are being read from the lane
@@ -654,6 +716,10 @@ class _InboundStream:
     def attach_lane(self, lane: ReceiveLane) -> None:
         self.lane = lane
         self._p2p._lanes[self._src] = self
+
+    def attach_socket(self, socket: SocketFrames) -> None:
+        self.socket = socket
+        self._p2p._sockets[self._src] = self
 
     def read_lane(self) -> None:
         """Delivers every message waiting in the lane to the mailbox (a message in pieces: the
@@ -770,6 +836,8 @@ class _InboundStream:
 
     def on_closed(self, error: Optional[str], goodbye: Optional[peer_pb2.Goodbye]) -> None:
         self._detach_lane()
+        if self._p2p._sockets.get(self._src) is self:
+            del self._p2p._sockets[self._src]
         if error is not None:
             self._p2p.peer_failed(self._src, error)
             return

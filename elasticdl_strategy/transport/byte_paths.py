@@ -146,6 +146,19 @@ class DataSocketPath:
         self.shared = shared
         self._attached = False  # data_socket_attached was sent: every later frame goes on the socket
 
+    def takes_now(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` may be written by :meth:`write_raw` (not waiting for the
+        writer thread): once the stream moved to the socket, for payloads that go raw on it."""
+        return self._attached and nbytes <= RAW_ON_SOCKET_MAX_BYTES
+
+    def write_raw(self, header: peer_pb2.MessageHeader, payload: memoryview) -> None:
+        """Writes a message, payload raw after its header, on the socket (see :meth:`takes_now`).
+
+        Raises:
+            DataSocketClosed: the data socket broke.
+        """
+        self.socket.send_frame(frames.encode_header(header), payload)
+
     def frames(self, header: peer_pb2.MessageHeader, payload: memoryview, chunk_size: int) -> Iterator[bytes]:
         if not self._attached:
             self._attached = True
@@ -154,7 +167,7 @@ class DataSocketPath:
             for frame in self.shared.frames(header, payload):
                 self.socket.send_frame(frame)
         else:
-            self.socket.send_frame(frames.encode_header(header), payload)
+            self.write_raw(header, payload)
 
     def goodbye(self, goodbye: peer_pb2.Goodbye) -> Iterator[bytes]:
         if self._attached:

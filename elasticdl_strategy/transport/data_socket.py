@@ -20,15 +20,14 @@ is shut down, which wakes any thread blocked on it.
 
 from __future__ import annotations
 
-import io
 import logging
 import secrets
+import select
 import socket
 import ssl
 import struct
 import threading
 import time
-import typing
 from typing import Dict, Optional
 
 from elasticdl_strategy.errors import ConfigError, DataSocketClosed
@@ -40,6 +39,8 @@ _refusals = RefusalLog(logger, what="data connections")
 TICKET_BYTES = 32
 _ACCEPTED = b"\x01"  # the listener's answer to a valid ticket, before the sender commits to the socket
 _LENGTH = struct.Struct("<I")
+# Bytes a read asks the kernel for at once: a frame and a small payload usually come in one read.
+_READ_AHEAD = 64 << 10
 # Connections still to present their ticket, at most, in all and from one address: more are
 # closed at once (a flood of connections that send nothing must not pile up threads).
 MAX_PENDING_CONNECTIONS = 64
@@ -60,15 +61,22 @@ def _tune(sock: socket.socket, keepalive_s: float) -> None:
 class FrameSocket:
     """A connected data socket: length-prefixed frames and raw payload bytes.
 
-    Reads come from one thread and writes from one thread (either may be
-    the same); :meth:`shutdown` may be called from any thread.
+    Reads come from one thread at a time and writes from one thread at a time
+    (either may be the same); :meth:`shutdown` may be called from any thread.
+    Reads go through a read-ahead buffer of this object's own, so that
+    :meth:`buffered` and :meth:`wait_readable` can tell whether a read would wait.
     """
 
     def __init__(self, sock: socket.socket, max_frame: int):
         sock.settimeout(None)  # liveness comes from the gRPC stream beside it and TCP keepalive
         self._sock = sock
         self._max_frame = max_frame
-        self._reader = typing.cast(io.BufferedReader, sock.makefile("rb", buffering=64 << 10))
+        self._buffer = bytearray(_READ_AHEAD)
+        self._view = memoryview(self._buffer)
+        self._start = 0  # the buffered bytes not yet read are _buffer[_start:_end]
+        self._end = 0
+        self._fd = sock.fileno()
+        self._pollers: Dict[Optional[int], "select.poll"] = {}  # by the wake fd polled beside the socket
 
     def send_frame(self, frame: bytes, payload: Optional[memoryview] = None) -> None:
         """Writes one control frame, then ``payload`` raw (joined to the frame when small,
@@ -105,21 +113,74 @@ class FrameSocket:
         Raises:
             DataSocketClosed: the connection ended first.
         """
-        try:
-            n = self._reader.readinto(view)
-        except (OSError, ValueError) as e:  # ValueError: read after shutdown closed the file
-            raise DataSocketClosed(f"the data socket broke: {e}") from None
-        if n != len(view):
-            raise DataSocketClosed("the data socket ended in the middle of a message")
+        filled = self._take_buffered(view)
+        while filled < len(view):
+            filled += self._recv(view[filled:])
+
+    def buffered(self) -> bool:
+        """Whether bytes already came in that a read has not taken (a read returns without waiting for the network)."""
+        if self._end > self._start:
+            return True
+        pending = getattr(self._sock, "pending", None)  # TLS: records decrypted but not read
+        return pending is not None and pending() > 0
+
+    def wait_readable(self, timeout: Optional[float], wake_fd: Optional[int] = None) -> bool:
+        """Waits up to ``timeout`` seconds (``None``: no limit) for something to read (bytes, or the
+        connection's end); returns whether there is, False at once when ``wake_fd`` becomes readable."""
+        if self.buffered():
+            return True
+        poller = self._pollers.get(wake_fd)
+        if poller is None:
+            poller = self._pollers[wake_fd] = select.poll()
+            poller.register(self._fd, select.POLLIN | select.POLLPRI)
+            if wake_fd is not None:
+                poller.register(wake_fd, select.POLLIN)
+        events = poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+        return any(ready == self._fd for ready, _ in events)
+
+    @staticmethod
+    def wait_until_woken(timeout: float, wake_fd: int) -> bool:
+        """Waits up to ``timeout`` seconds for ``wake_fd`` to become readable; returns whether it did."""
+        readable, _, _ = select.select([wake_fd], [], [], max(0.0, timeout))
+        return bool(readable)
 
     def _read(self, n: int) -> bytes:
+        if self._end - self._start >= n:  # the usual case: the whole frame came in one read ahead
+            data = bytes(self._view[self._start : self._start + n])
+            self._start += n
+            return data
+        out = bytearray(n)
+        view = memoryview(out)
+        filled = self._take_buffered(view)
+        while filled < n:
+            if n - filled < len(self._buffer):
+                self._fill()
+                filled += self._take_buffered(view[filled:])
+            else:
+                filled += self._recv(view[filled:])
+        return bytes(out)
+
+    def _take_buffered(self, view: memoryview) -> int:
+        """Moves read-ahead bytes into ``view``; returns how many."""
+        n = min(len(view), self._end - self._start)
+        if n:
+            view[:n] = self._view[self._start : self._start + n]
+            self._start += n
+        return n
+
+    def _fill(self) -> None:
+        """Reads what the socket has (at least one byte) into the empty read-ahead buffer."""
+        self._start = 0
+        self._end = self._recv(self._view)
+
+    def _recv(self, view: memoryview) -> int:
         try:
-            data = self._reader.read(n)
-        except (OSError, ValueError) as e:
+            n = self._sock.recv_into(view, len(view))
+        except OSError as e:
             raise DataSocketClosed(f"the data socket broke: {e}") from None
-        if len(data) != n:
-            raise DataSocketClosed("the data socket ended" + (" in the middle of a frame" if data else ""))
-        return data
+        if n == 0:
+            raise DataSocketClosed("the data socket ended")
+        return n
 
     def shutdown(self) -> None:
         """Ends the connection both ways; blocked reads and writes return at once. Idempotent."""
@@ -132,10 +193,6 @@ class FrameSocket:
 
     def close(self) -> None:
         self.shutdown()
-        try:
-            self._reader.close()
-        except OSError:
-            pass
         self._sock.close()
 
 

@@ -14,7 +14,11 @@ All of it runs in the one server thread that serves the stream's call.
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Iterator, Optional, Protocol
+import collections
+import os
+import threading
+import time
+from typing import Callable, Deque, Generator, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
@@ -27,6 +31,11 @@ from elasticdl_strategy.transport.shared_memory import ReceiveArena
 # Payload bytes read from a data socket before they are handed on (reduced or copied). Measured
 # (N = 2, alternating runs): 256 MiB 152-162 ms with 4 MiB pieces, 181-187 with 1 MiB, 198 with 256 KiB.
 _SOCKET_PIECE = 1 << 22
+# The server thread of a quiet data socket looks again this often (it is woken for anything to read).
+_SERVER_WAIT_SLICE_S = 1.0
+# After a waiting thread read a stream's data socket, the server thread leaves the socket to such
+# threads this long (what nobody waits for is still read by then: a sender never waits much longer).
+_READERS_GRACE_S = 0.005
 
 Replies = Generator[peer_pb2.TransferReply, None, peer_pb2.Goodbye]
 SlotReplies = Generator[peer_pb2.TransferReply, None, None]
@@ -142,6 +151,16 @@ class SocketFrames:
     """The frames of a stream that moved to its data socket; payloads follow their header raw,
     read straight into the receive's buffer where it offers one.
 
+    Two kinds of thread read the socket, one at a time and a whole message at a time: the
+    stream's server thread (:func:`receive_messages`, through :meth:`next_frame` and
+    :meth:`read_payload`), and a thread waiting for one of the stream's messages
+    (:meth:`read_while`), which then delivers the messages it reads itself instead of being
+    woken by the server thread (one thread hand-off less per message). ``_reading`` is held by
+    whichever reads: by the server thread from :meth:`next_frame` until its next call (or
+    :meth:`close`), by a waiting thread within :meth:`read_while`. What a waiting thread
+    reads and does not handle (a frame other than a message's header, a broken connection)
+    it leaves in ``_left`` for the server thread, and wakes it.
+
     Args:
         data_socket: the connection.
         grpc_frames: the rest of the gRPC call, which must end without another frame.
@@ -151,9 +170,44 @@ class SocketFrames:
         self._socket = data_socket
         self._grpc_frames = grpc_frames
         self._scratch: Optional[memoryview] = None  # one piece of payload at a time, reused for every message
+        self._reading = threading.Lock()
+        self._server_reads = False  # the server thread holds _reading (only it reads and writes this)
+        self._left: Deque[Union[bytes, Exception]] = collections.deque()  # changed under _reading
+        self._closed = False
+        self._reader: Optional[int] = None  # the thread in read_while, if any
+        self._last_read = 0.0  # when a thread in read_while last stopped reading
+        self._wake_lock = threading.Lock()  # the eventfds are written and closed under it
+        self._wake_server = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_reader = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def next_frame(self) -> Optional[bytes]:
-        return self._socket.recv_frame()
+        self._stop_reading()
+        while True:
+            if not self._left and not self._wait_for_something():
+                continue
+            _drain(self._wake_server)
+            self._reading.acquire()
+            self._server_reads = True
+            if self._left:
+                item = self._left.popleft()
+                if isinstance(item, Exception):
+                    raise item
+                return item
+            if self._socket.wait_readable(0):  # not taken by a waiting thread meanwhile
+                return self._socket.recv_frame()
+            self._stop_reading()
+
+    def _wait_for_something(self) -> bool:
+        """Whether there may be something for the server thread to read, after a wait (up to a slice).
+
+        While waiting threads read the socket (one did within :data:`_READERS_GRACE_S`), the
+        server thread does not watch it: it would be woken by every message they read, and take
+        CPU and the GIL from them, for nothing. They wake it for what they leave to it.
+        """
+        quiet = time.monotonic() - self._last_read
+        if quiet < _READERS_GRACE_S:
+            return self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
+        return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
 
     def read_payload(self, writer: MessageWriter, nbytes: int) -> None:
         piece = min(nbytes, _SOCKET_PIECE)
@@ -172,6 +226,62 @@ class SocketFrames:
             finally:
                 writer.target_done()
 
+    def read_while(
+        self, receiver: StreamReceiver, waiting: Callable[[], bool], deadline: float, spin_s: float = 0.0
+    ) -> bool:
+        """In a thread waiting for a message of this stream: unless another thread reads the socket,
+        reads it and delivers to ``receiver`` every message that comes, while ``waiting()`` and
+        until ``deadline`` (``time.monotonic()``); :meth:`wake_reader` makes it look at
+        ``waiting()`` again at once. For the first ``spin_s`` seconds it looks at the socket again
+        and again rather than sleep until something comes (a sleeping thread takes tens of
+        microseconds to wake).
+
+        Returns:
+            True once ``waiting()`` is false or the deadline passed; False, sooner, if another
+            thread reads the socket, the stream ended or something came that the server thread
+            handles: the message then comes the usual way.
+        """
+        if not self._reading.acquire(blocking=False):
+            return False
+        if self._left:  # what was left for the server thread comes first
+            self._reading.release()
+            return False
+        self._reader = threading.get_ident()
+        spin_until = time.monotonic() + spin_s
+        try:
+            while waiting():
+                now = time.monotonic()
+                remaining = deadline - now
+                if self._closed or remaining <= 0:
+                    return remaining <= 0
+                wait = 0.0 if now < spin_until else remaining
+                if not self._socket.wait_readable(wait, self._wake_reader):
+                    if wait:
+                        _drain(self._wake_reader)
+                    continue
+                if not self._read_message(receiver):
+                    return False
+            return True
+        finally:
+            self._reader = None
+            self._last_read = time.monotonic()
+            if self._left or self._socket.buffered():
+                self._wake(server=True)  # it waits for the socket, which says nothing of these
+            self._reading.release()
+
+    def hand_to_server(self) -> None:
+        """Makes the server thread watch the socket again now, not after the waiting threads' grace
+        (:data:`_READERS_GRACE_S`): for a thread about to block writing a large message to the same
+        peer, whose own writes may wait for this socket to be read."""
+        self._last_read = 0.0
+        self._wake(server=True)
+
+    def wake_reader(self) -> None:
+        """Makes a thread in :meth:`read_while` look at its ``waiting()`` now (any thread may call
+        it; from the reading thread itself, which looks anyway, it does nothing)."""
+        if self._reader != threading.get_ident():
+            self._wake(server=False)
+
     def attached(self) -> FrameSource:
         raise ValueError("a data_socket_attached frame on the data socket")
 
@@ -180,7 +290,59 @@ class SocketFrames:
             raise ValueError("a frame on gRPC after the stream moved to its data socket")
 
     def close(self) -> None:
+        self._closed = True
+        self._socket.shutdown()  # a waiting thread in read_while sees the end and lets go of the socket
+        if not self._server_reads:
+            self._reading.acquire()  # whoever reads returns within a message: the connection is shut
+            self._server_reads = True
         self._socket.close()
+        with self._wake_lock:
+            os.close(self._wake_server)
+            os.close(self._wake_reader)
+            self._wake_server = self._wake_reader = -1
+        self._stop_reading()
+
+    def _read_message(self, receiver: StreamReceiver) -> bool:
+        """Reads one frame in a waiting thread and delivers its message; False if it left the frame
+        (or the connection's failure) to the server thread."""
+        try:
+            frame = self._socket.recv_frame()
+            control = None if frames.is_chunk(frame) else frames.decode_control(frame)
+            if control is None or control.WhichOneof("kind") != "header" or control.header.HasField("shared_chunk"):
+                self._left.append(frame)
+                return False
+            deliver(self, receiver, control.header)
+            return True
+        except Exception as e:  # noqa: BLE001 - the server thread ends the stream with it, as if it had read it
+            self._left.append(e)
+            return False
+
+    def _stop_reading(self) -> None:
+        if self._server_reads:
+            self._server_reads = False
+            self._reading.release()
+
+    def _wake(self, server: bool) -> None:
+        with self._wake_lock:
+            if not self._closed:
+                os.eventfd_write(self._wake_server if server else self._wake_reader, 1)
+
+
+def _drain(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
+
+
+def deliver(source: FrameSource, receiver: StreamReceiver, header: peer_pb2.MessageHeader) -> None:
+    """Hands a message whose header came to ``receiver``, its payload inline or read from ``source``."""
+    writer = receiver.on_header(header)
+    if header.inline_data:
+        writer.write(0, memoryview(header.inline_data))
+    elif header.nbytes:
+        source.read_payload(writer, header.nbytes)
+    writer.finish()
 
 
 def receive_messages(source: FrameSource, receiver: StreamReceiver, arena: Optional[ReceiveArena]) -> Replies:
@@ -213,17 +375,18 @@ def receive_messages(source: FrameSource, receiver: StreamReceiver, arena: Optio
                 return control.goodbye
             if kind == "data_socket_attached":
                 source = source.attached()
+                attach_socket = getattr(receiver, "attach_socket", None)  # receivers that read sockets have it
+                if attach_socket is not None:
+                    attach_socket(source)
                 continue
             if kind != "header":
                 raise ValueError(f"a {kind} frame between messages")
             header = control.header
+            if not header.HasField("shared_chunk"):
+                deliver(source, receiver, header)
+                continue
             writer = receiver.on_header(header)
-            if header.inline_data:
-                writer.write(0, memoryview(header.inline_data))
-            elif header.HasField("shared_chunk"):
-                yield from _read_shared(source, arena, header, writer)
-            elif header.nbytes:
-                source.read_payload(writer, header.nbytes)
+            yield from _read_shared(source, arena, header, writer)
             writer.finish()
     finally:
         source.close()

@@ -139,8 +139,8 @@ class TransportOptions:
             that callers write and read themselves (:mod:`.lanes`); 0: none.
             A message up to a quarter of it goes there as one record, one up
             to three quarters of it in pieces, when it fits at the time.
-        spin_us: how long a caller waiting for a message on a lane looks
-            for it again and again before it sleeps until woken (a sleep and
+        spin_us: how long a caller waiting for a message on a lane or data
+            socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
             environment (``EDL_SPIN_US`` unset): 200, or 0 when the workers of
             this host (``EDL_LOCAL_SIZE``) outnumber its cores, where a caller

@@ -197,6 +197,38 @@ class OutboundStream:
             return False
         return lane.try_send(header.SerializeToString(), payload)
 
+    def try_socket(self, header: peer_pb2.MessageHeader, payload: memoryview) -> bool:
+        """Writes a message on this stream's data socket in the caller's thread (no hand-off to the
+        writer thread), blocking only while the socket's buffers are full.
+
+        False, writing nothing, when the stream has no data socket in use (none, not yet, the
+        payload goes another way: :meth:`DataSocketPath.takes_now`), the stream is not open, or
+        another message is queued or being written: then :meth:`submit` it.
+
+        Raises:
+            PeerFailureError: the socket broke (the stream is broken from now on).
+        """
+        path = self._path
+        if not isinstance(path, DataSocketPath) or not path.takes_now(len(payload)):
+            return False
+        message = OutgoingMessage(header, payload, 0)
+        with self._cond:
+            if self._state is not StreamState.OPEN or self._queue or self._in_flight is not None:
+                return False
+            self._in_flight = message  # the writer thread waits until it is written
+        try:
+            path.write_raw(header, payload)
+        except DataSocketClosed as e:
+            self._break(str(e))  # fails the message with the stream's first reason
+            self._call.cancel()
+            message.future.result(0)
+        with self._cond:
+            if self._in_flight is message:
+                self._in_flight = None
+                self._cond.notify_all()
+        self.bytes_sent += len(payload)
+        return True
+
     def submit(self, message: OutgoingMessage) -> None:
         """Queues ``message``; never blocks.
 
@@ -313,10 +345,11 @@ class OutboundStream:
             settle(message.future)
 
     def _next_message(self) -> Optional[OutgoingMessage]:
-        """The next queued message; None once the stream closes with an empty queue, or broke."""
+        """The next queued message, once no caller writes one (:meth:`try_socket`); None once the
+        stream closes with an empty queue, or broke."""
         with self._cond:
-            while not self._queue:
-                if self._state is not StreamState.OPEN:
+            while self._in_flight is not None or not self._queue:
+                if self._in_flight is None and self._state is not StreamState.OPEN:
                     return None
                 self._cond.wait(_IDLE_POLL_S)
             self._in_flight = self._queue.popleft()

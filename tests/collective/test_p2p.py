@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.collective.mailbox import ReduceSink
-from elasticdl_strategy.collective.p2p import PointToPoint
+from elasticdl_strategy.collective.p2p import PointToPoint, _InboundStream
 from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport import lanes
@@ -432,3 +432,43 @@ def test_a_send_into_the_lane_has_succeeded_when_isend_returns_and_a_collective_
     assert len(call.sends) == 1
     call.finish_sends()
     np.testing.assert_array_equal(b.recv(0, tag=30), np.arange(10))
+
+
+@pytest.fixture
+def socket_pair():
+    cluster = ThreadCluster(2, transport_options("data-socket", timeout_s=10))
+    a, b = p2p(cluster, 0), p2p(cluster, 1)
+    a.send(np.zeros(16), dst=1)  # opens the stream; the messages after it go on its data socket
+    b.recv(0)
+    wait_for(lambda: a.data_socket_peers == [1] and 0 in b._sockets, "the stream moved to its data socket")
+    yield cluster, a, b
+    cluster.close()
+
+
+def test_over_a_data_socket_the_sender_writes_and_the_waiting_receiver_reads_in_their_own_threads(
+    socket_pair, monkeypatch
+):
+    _, a, b = socket_pair
+    writers, readers = [], []
+    send_frame, on_header = FrameSocket.send_frame, _InboundStream.on_header
+
+    def recorded_send_frame(self, *args):
+        writers.append(threading.current_thread().name)
+        return send_frame(self, *args)
+
+    def recorded_on_header(self, header):
+        readers.append(threading.current_thread().name)
+        return on_header(self, header)
+
+    monkeypatch.setattr(FrameSocket, "send_frame", recorded_send_frame)
+    monkeypatch.setattr(_InboundStream, "on_header", recorded_on_header)
+    received = {}
+    receiving = threading.Thread(target=lambda: received.update(array=b.recv(0, tag=5, timeout=10)), name="receiving")
+    receiving.start()
+    try:
+        wait_for(lambda: b._sockets[0].socket._reader is not None, "the receive reading the socket")
+        a.send(np.arange(1000.0), dst=1, tag=5)
+    finally:
+        receiving.join(timeout=10)
+    np.testing.assert_array_equal(received["array"], np.arange(1000.0))
+    assert writers == [threading.current_thread().name] and readers == ["receiving"]

@@ -3,15 +3,16 @@ socket, and the frames out of place that end a stream."""
 
 import socket
 import threading
+import time
 from typing import List, Optional
 
 import numpy as np
 import pytest
 
-from elasticdl_strategy.errors import IncompleteStream
+from elasticdl_strategy.errors import DataSocketClosed, IncompleteStream
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.data_socket import FrameSocket
-from elasticdl_strategy.transport.inbound import GrpcFrames, receive_messages
+from elasticdl_strategy.transport.inbound import GrpcFrames, SocketFrames, receive_messages
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
 
@@ -45,10 +46,18 @@ class Receiver:
     def __init__(self, offer_target: bool = False):
         self.messages: List[Writer] = []
         self.offer_target = offer_target
+        self.delivered_by: List[str] = []  # the thread that read each message
+        self.socket: Optional[SocketFrames] = None
+        self.attached = threading.Event()
 
     def on_header(self, header):
         self.messages.append(Writer(header.nbytes, self.offer_target))
+        self.delivered_by.append(threading.current_thread().name)
         return self.messages[-1]
+
+    def attach_socket(self, source):
+        self.socket = source
+        self.attached.set()
 
     def on_closed(self, error, goodbye):
         pass
@@ -133,6 +142,84 @@ def test_the_stream_moves_to_its_data_socket_and_payloads_land_in_the_receive_bu
         sending.close()
     assert goodbye.reason == "done"
     assert receiver.payloads() == [big, b"ok"] and receiver.messages[0].targets >= 1
+
+
+class ServerThread:
+    """``receive_messages`` over a data socket in a thread of its own, as the stream's server thread."""
+
+    def __init__(self, receiver: Receiver):
+        self.sending, receiving = (FrameSocket(s, MAX_FRAME) for s in socket.socketpair())
+        self.outcome: dict = {}
+        self.thread = threading.Thread(target=self._run, args=(receiver, receiving), name="stream-server", daemon=True)
+        self.thread.start()
+        assert receiver.attached.wait(10)
+
+    def _run(self, receiver, receiving):
+        try:
+            stream = [frames.encode_data_socket_attached()]
+            self.outcome["goodbye"], _ = _receive(stream, receiver, attach=lambda: receiving)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            self.outcome["error"] = e
+
+    def send(self, sequence: int, payload: bytes) -> None:
+        self.sending.send_frame(frames.encode_header(_header(sequence, len(payload))), memoryview(payload))
+
+    def finish(self) -> dict:
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+        self.sending.close()
+        return self.outcome
+
+
+def test_a_thread_waiting_for_messages_reads_them_itself_and_leaves_the_goodbye_to_the_server_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    sent = []
+
+    def waiting():  # first called with the socket held: the messages come while this thread reads
+        if not sent:
+            sent.extend([b"first", b"x" * 100_000, b"third"])
+            for sequence, payload in enumerate(sent):
+                server.send(sequence, payload)
+        return len(receiver.messages) < len(sent)
+
+    assert receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)
+    server.sending.send_frame(GOODBYE)
+    assert not receiver.socket.read_while(receiver, lambda: True, time.monotonic() + 10)  # left to the server thread
+    outcome = server.finish()
+    assert outcome["goodbye"].reason == "done", outcome
+    assert receiver.payloads() == sent
+    assert receiver.delivered_by == [threading.current_thread().name] * 3
+
+
+def test_a_broken_connection_a_waiting_thread_finds_ends_the_stream_in_the_server_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    cut = []
+
+    def waiting():
+        if not cut:  # once, with the socket held: half a frame, then the connection ends
+            cut.append(server.sending._sock.sendall(b"\x64\x00\x00\x00half"))
+            server.sending.shutdown()
+        return True
+
+    assert not receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)
+    outcome = server.finish()
+    assert isinstance(outcome.get("error"), DataSocketClosed), outcome
+    assert receiver.messages == []
+
+
+def test_a_waiting_thread_lets_go_of_the_socket_at_its_deadline_and_the_server_thread_reads_what_comes_later():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    started = time.monotonic()
+    assert receiver.socket.read_while(receiver, lambda: True, started + 0.2)  # nothing came: the deadline
+    assert 0.2 <= time.monotonic() - started < 5
+    server.send(0, b"later")
+    server.sending.send_frame(GOODBYE)
+    outcome = server.finish()
+    assert outcome["goodbye"].reason == "done"
+    assert receiver.payloads() == [b"later"] and receiver.delivered_by == ["stream-server"]
 
 
 def test_a_frame_on_grpc_after_the_move_to_the_data_socket_ends_the_stream():
