@@ -51,9 +51,6 @@ _LANE_WAIT_SLICE_S = 0.5
 _NO_LANE_SLICE_S = 0.02
 # A lane takes a message in one record up to a quarter of it, header included: about this much is headers.
 _LANE_HEADER_ALLOWANCE = 1024
-# A message up to this size is written on a data socket by its sender without first making sure that
-# the stream's thread reads what the peer sends meanwhile: it fits the socket's buffers.
-_SOCKET_WRITE_WITHOUT_READER_BYTES = 64 << 10
 _DONE: futures.Future = futures.Future()  # the future of every send that completed in the caller
 _DONE.set_result(None)
 
@@ -309,9 +306,8 @@ class PointToPoint:
         if stream.try_lane(header, view):  # copied into the peer's lane: done
             self.lane_messages_sent += 1
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
-        if payload.nbytes > _SOCKET_WRITE_WITHOUT_READER_BYTES:
-            self._let_stream_thread_read(dst)  # the peer may write to us meanwhile, and wait for room
-        if stream.try_socket(header, view):  # written on the data socket: done
+        # While this thread waits to write, the peer may be waiting to write to us: let our stream thread read.
+        if stream.try_socket(header, view, functools.partial(self._let_stream_thread_read, dst)):
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
         inline = payload.nbytes <= self.options.inline_threshold
         if inline:

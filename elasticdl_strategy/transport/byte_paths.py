@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Deque, Iterable, Iterator, Optional, Protocol
+from typing import Callable, Deque, Iterable, Iterator, Optional, Protocol
 
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.data_socket import FrameSocket
@@ -149,15 +149,18 @@ class DataSocketPath:
     def takes_now(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` may be written by :meth:`write_raw` (not waiting for the
         writer thread): once the stream moved to the socket, for payloads that go raw on it."""
-        return self._attached and nbytes <= RAW_ON_SOCKET_MAX_BYTES
+        return self._attached and (self.shared is None or nbytes <= RAW_ON_SOCKET_MAX_BYTES)
 
-    def write_raw(self, header: peer_pb2.MessageHeader, payload: memoryview) -> None:
-        """Writes a message, payload raw after its header, on the socket (see :meth:`takes_now`).
+    def write_raw(
+        self, header: peer_pb2.MessageHeader, payload: memoryview, on_block: Optional[Callable[[], None]] = None
+    ) -> None:
+        """Writes a message, payload raw after its header, on the socket (see :meth:`takes_now`);
+        ``on_block``: called before the write waits for room (:meth:`FrameSocket.send_frame`).
 
         Raises:
             DataSocketClosed: the data socket broke.
         """
-        self.socket.send_frame(frames.encode_header(header), payload)
+        self.socket.send_frame(frames.encode_header(header), payload, on_block)
 
     def frames(self, header: peer_pb2.MessageHeader, payload: memoryview, chunk_size: int) -> Iterator[bytes]:
         if not self._attached:

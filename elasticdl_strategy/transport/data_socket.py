@@ -28,7 +28,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from elasticdl_strategy.errors import ConfigError, DataSocketClosed
 from elasticdl_strategy.transport.refusals import RefusalLog, normalize_host
@@ -78,22 +78,41 @@ class FrameSocket:
         self._fd = sock.fileno()
         self._pollers: Dict[Optional[int], "select.poll"] = {}  # by the wake fd polled beside the socket
 
-    def send_frame(self, frame: bytes, payload: Optional[memoryview] = None) -> None:
+    def send_frame(
+        self, frame: bytes, payload: Optional[memoryview] = None, on_block: Optional[Callable[[], None]] = None
+    ) -> None:
         """Writes one control frame, then ``payload`` raw (joined to the frame when small,
-        else written straight from its memory).
+        else written straight from its memory). ``on_block`` is called once, before the write
+        waits for room in the socket's buffers (under TLS: before it writes).
 
         Raises:
             DataSocketClosed: the connection is gone.
         """
+        parts: List[Union[bytes, memoryview]]
+        if payload is not None and len(payload) <= 64 << 10:
+            parts = [b"".join((_LENGTH.pack(len(frame)), frame, payload))]
+        else:
+            parts = [_LENGTH.pack(len(frame)) + frame] + ([payload] if payload is not None and len(payload) else [])
         try:
-            if payload is not None and len(payload) <= 64 << 10:
-                self._sock.sendall(b"".join((_LENGTH.pack(len(frame)), frame, payload)))
-                return
-            self._sock.sendall(_LENGTH.pack(len(frame)) + frame)
-            if payload is not None and len(payload):
-                self._sock.sendall(payload)
+            for part in parts:
+                sent = 0
+                if on_block is not None:
+                    sent = self._send_now(part)
+                    if sent < len(part):
+                        on_block()
+                        on_block = None
+                self._sock.sendall(memoryview(part)[sent:])
         except OSError as e:
             raise DataSocketClosed(f"writing to the data socket failed: {e}") from None
+
+    def _send_now(self, data) -> int:
+        """Writes what fits in the socket's buffers now; returns how many bytes (0 under TLS)."""
+        if isinstance(self._sock, ssl.SSLSocket):
+            return 0  # no non-blocking flag for one write: treat it as one that may wait
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
 
     def recv_frame(self) -> bytes:
         """Reads the next control frame.

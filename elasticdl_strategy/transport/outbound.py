@@ -197,9 +197,12 @@ class OutboundStream:
             return False
         return lane.try_send(header.SerializeToString(), payload)
 
-    def try_socket(self, header: peer_pb2.MessageHeader, payload: memoryview) -> bool:
+    def try_socket(
+        self, header: peer_pb2.MessageHeader, payload: memoryview, on_block: Optional[Callable[[], None]] = None
+    ) -> bool:
         """Writes a message on this stream's data socket in the caller's thread (no hand-off to the
-        writer thread), blocking only while the socket's buffers are full.
+        writer thread), blocking only while the socket's buffers are full (after calling
+        ``on_block``: the peer may need this worker to read meanwhile).
 
         False, writing nothing, when the stream has no data socket in use (none, not yet, the
         payload goes another way: :meth:`DataSocketPath.takes_now`), the stream is not open, or
@@ -217,7 +220,7 @@ class OutboundStream:
                 return False
             self._in_flight = message  # the writer thread waits until it is written
         try:
-            path.write_raw(header, payload)
+            path.write_raw(header, payload, on_block)
         except DataSocketClosed as e:
             self._break(str(e))  # fails the message with the stream's first reason
             self._call.cancel()

@@ -2,6 +2,7 @@
 
 import secrets
 import socket
+import threading
 import time
 
 import numpy as np
@@ -59,6 +60,31 @@ def test_a_connection_presenting_its_ticket_is_handed_to_the_stream_and_carries_
         small = bytearray(5)
         receiver.recv_into(memoryview(small))
         assert bytes(small) == b"small"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_write_that_must_wait_for_room_says_so_first_and_one_that_fits_does_not():
+    sender, receiver = (data_socket.FrameSocket(s, MAX_FRAME) for s in socket.socketpair())
+    calls = []
+    try:
+        sender.send_frame(b"small", memoryview(b"fits in the buffers"), on_block=lambda: calls.append("small"))
+        assert calls == [] and receiver.recv_frame() == b"small"
+        receiver.recv_into(memoryview(bytearray(19)))
+        payload = np.arange(4 << 20, dtype=np.uint8)  # 4 MiB: more than a socket pair's buffers hold
+        got = np.zeros_like(payload)
+
+        def read_once_blocked():  # only once the writer said it waits: nothing reads before
+            calls.append("large")
+            assert receiver.recv_frame() == b"large"
+            reader.start()
+
+        reader = threading.Thread(target=lambda: receiver.recv_into(memoryview(got)), daemon=True)
+        sender.send_frame(b"large", memoryview(payload), on_block=read_once_blocked)
+        reader.join(timeout=10)
+        assert calls == ["large"]
+        np.testing.assert_array_equal(got, payload)
     finally:
         sender.close()
         receiver.close()
