@@ -306,8 +306,8 @@ class PointToPoint:
         if stream.try_lane(header, view):  # copied into the peer's lane: done
             self.lane_messages_sent += 1
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
-        # While this thread waits to write, the peer may be waiting to write to us: let our stream thread read.
-        if stream.try_socket(header, view, functools.partial(self._let_stream_thread_read, dst)):
+        # While this thread waits to write, peers may wait to write to us: let our stream threads read.
+        if stream.try_socket(header, view, self._let_stream_threads_read):
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
         inline = payload.nbytes <= self.options.inline_threshold
         if inline:
@@ -316,10 +316,10 @@ class PointToPoint:
         stream.submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 
-    def _let_stream_thread_read(self, peer: int) -> None:
-        inbound = self._sockets.get(peer)
-        if inbound is not None and inbound.socket is not None:
-            inbound.socket.hand_to_server()
+    def _let_stream_threads_read(self) -> None:
+        for inbound in list(self._sockets.values()):
+            if inbound.socket is not None:
+                inbound.socket.hand_to_server()
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, timeout: Optional[float] = None) -> None:
         """Sends ``array`` to ``dst`` and returns once it has been handed to the transport."""

@@ -31,6 +31,8 @@ from elasticdl_strategy.transport.shared_memory import ReceiveArena
 # Payload bytes read from a data socket before they are handed on (reduced or copied). Measured
 # (N = 2, alternating runs): 256 MiB 152-162 ms with 4 MiB pieces, 181-187 with 1 MiB, 198 with 256 KiB.
 _SOCKET_PIECE = 1 << 22
+# A waiting thread reads the payloads up to this size itself (see _read_by_waiting_threads).
+WAITING_THREAD_READS_AT_MOST = 1 << 20
 # The server thread of a quiet data socket looks again this often (it is woken for anything to read).
 _SERVER_WAIT_SLICE_S = 1.0
 # After a waiting thread read a stream's data socket, the server thread leaves the socket to such
@@ -183,9 +185,9 @@ class SocketFrames:
     def next_frame(self) -> Optional[bytes]:
         self._stop_reading()
         while True:
-            if not self._left and not self._wait_for_something():
-                continue
-            _drain(self._wake_server)
+            if not self._left:
+                self._wait_for_something()
+                _drain(self._wake_server)  # whatever woke it is looked at below
             self._reading.acquire()
             self._server_reads = True
             if self._left:
@@ -197,8 +199,8 @@ class SocketFrames:
                 return self._socket.recv_frame()
             self._stop_reading()
 
-    def _wait_for_something(self) -> bool:
-        """Whether there may be something for the server thread to read, after a wait (up to a slice).
+    def _wait_for_something(self) -> None:
+        """Waits (up to a slice) until there may be something for the server thread to read.
 
         While waiting threads read the socket (one did within :data:`_READERS_GRACE_S`), the
         server thread does not watch it: it would be woken by every message they read, and take
@@ -206,8 +208,9 @@ class SocketFrames:
         """
         quiet = time.monotonic() - self._last_read
         if quiet < _READERS_GRACE_S:
-            return self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
-        return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
+            self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
+        else:
+            self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
 
     def read_payload(self, writer: MessageWriter, nbytes: int) -> None:
         piece = min(nbytes, _SOCKET_PIECE)
@@ -271,8 +274,8 @@ class SocketFrames:
 
     def hand_to_server(self) -> None:
         """Makes the server thread watch the socket again now, not after the waiting threads' grace
-        (:data:`_READERS_GRACE_S`): for a thread about to block writing a large message to the same
-        peer, whose own writes may wait for this socket to be read."""
+        (:data:`_READERS_GRACE_S`): for a thread about to block writing to any peer (the peer of
+        this socket may be blocked writing to us, waiting for it to be read)."""
         self._last_read = 0.0
         self._wake(server=True)
 
@@ -308,7 +311,7 @@ class SocketFrames:
         try:
             frame = self._socket.recv_frame()
             control = None if frames.is_chunk(frame) else frames.decode_control(frame)
-            if control is None or control.WhichOneof("kind") != "header" or control.header.HasField("shared_chunk"):
+            if control is None or not _read_by_waiting_threads(control):
                 self._left.append(frame)
                 return False
             deliver(self, receiver, control.header)
@@ -326,6 +329,19 @@ class SocketFrames:
         with self._wake_lock:
             if not self._closed:
                 os.eventfd_write(self._wake_server if server else self._wake_reader, 1)
+
+
+def _read_by_waiting_threads(control: peer_pb2.Frame) -> bool:
+    """Whether a waiting thread that read ``control`` reads its message too: a header whose payload
+    is inline or raw up to :data:`WAITING_THREAD_READS_AT_MOST` bytes. Larger ones are the stream
+    thread's, as is every other frame: a waiting thread that read a large payload would hold the
+    socket, and the GIL now and then, for as long as it takes to arrive."""
+    if control.WhichOneof("kind") != "header":
+        return False
+    header = control.header
+    return not header.HasField("shared_chunk") and (
+        bool(header.inline_data) or header.nbytes <= WAITING_THREAD_READS_AT_MOST
+    )
 
 
 def _drain(fd: int) -> None:

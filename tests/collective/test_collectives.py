@@ -150,6 +150,16 @@ def test_barrier_and_sequences_of_collectives(clusters, n):
             np.testing.assert_array_equal(results[r][i], expected)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_ring_of_segments_larger_than_socket_buffers_completes_exactly(clusters, n):
+    # Every rank writes its segment to its right neighbour while the left one writes to it: a
+    # sender blocked on a full socket must have its own incoming segments read meanwhile.
+    inputs = [make_input(r, r, (3 << 20,), "float32", "sum") for r in range(n)]  # 12 MiB each
+    results = clusters[n].run(lambda c: c.allreduce(inputs[c.rank]))
+    assert_identical(results)
+    assert_close(results[0], reduce_reference(inputs, "sum"))
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_large_broadcast_uses_scatter_allgather_path(clusters, n):
     data = np.arange(300_001, dtype=np.float64)  # > 256 KiB

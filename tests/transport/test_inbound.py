@@ -249,3 +249,20 @@ def test_a_frame_on_grpc_after_the_move_to_the_data_socket_ends_the_stream():
 def test_a_frame_out_of_place_or_a_stream_cut_short_ends_the_stream_with_why(stream, error, match):
     with pytest.raises(error, match=match):
         _receive(stream, Receiver())
+
+
+def test_the_server_thread_woken_with_nothing_to_read_sleeps_again():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    frames_socket = receiver.socket._socket
+    waits = []
+    wait_readable, wait_until_woken = frames_socket.wait_readable, frames_socket.wait_until_woken
+    frames_socket.wait_readable = lambda *args: (waits.append(args), wait_readable(*args))[1]
+    frames_socket.wait_until_woken = lambda *args: (waits.append(args), wait_until_woken(*args))[1]
+    receiver.socket.hand_to_server()  # woken, with nothing to read
+    threading.Event().wait(0.3)  # an observation window: the thread must sleep through it, not spin
+    assert len(waits) <= 3, f"{len(waits)} waits in 0.3 s"
+    server.send(0, b"still read")
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+    assert receiver.payloads() == [b"still read"]
