@@ -160,8 +160,9 @@ class FrameSocket:
     @staticmethod
     def wait_until_woken(timeout: float, wake_fd: int) -> bool:
         """Waits up to ``timeout`` seconds for ``wake_fd`` to become readable; returns whether it did."""
-        readable, _, _ = select.select([wake_fd], [], [], max(0.0, timeout))
-        return bool(readable)
+        poller = select.poll()
+        poller.register(wake_fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
 
     def _read(self, n: int) -> bytes:
         if self._end - self._start >= n:  # the usual case: the whole frame came in one read ahead

@@ -15,6 +15,7 @@ All of it runs in the one server thread that serves the stream's call.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -28,9 +29,13 @@ from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import ReceiveArena
 
+logger = logging.getLogger(__name__)
+
 # Payload bytes read from a data socket before they are handed on (reduced or copied). Measured
 # (N = 2, alternating runs): 256 MiB 152-162 ms with 4 MiB pieces, 181-187 with 1 MiB, 198 with 256 KiB.
 _SOCKET_PIECE = 1 << 22
+# How long closing a stream's data socket waits for a thread still reading it.
+_CLOSE_WAIT_S = 10.0
 # A waiting thread reads the payloads up to this size itself (see _read_by_waiting_threads).
 WAITING_THREAD_READS_AT_MOST = 1 << 20
 # The server thread of a quiet data socket looks again this often (it is woken for anything to read).
@@ -295,9 +300,12 @@ class SocketFrames:
     def close(self) -> None:
         self._closed = True
         self._socket.shutdown()  # a waiting thread in read_while sees the end and lets go of the socket
-        if not self._server_reads:
-            self._reading.acquire()  # whoever reads returns within a message: the connection is shut
-            self._server_reads = True
+        # Whoever reads returns within a message now that the connection is shut; until then its
+        # file descriptors must stay open (closed under it, their numbers could be reused).
+        if not self._server_reads and not self._reading.acquire(timeout=_CLOSE_WAIT_S):
+            logger.warning("a thread still reads a closed data socket after %gs; leaving it open", _CLOSE_WAIT_S)
+            return
+        self._server_reads = True
         self._socket.close()
         with self._wake_lock:
             os.close(self._wake_server)
