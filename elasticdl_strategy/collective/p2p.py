@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 USER_CHANNEL = 0
 COLLECTIVE_CHANNEL = 1
-# A caller sleeping on a lane's doorbell wakes at least this often (to look at its deadline).
-_LANE_WAIT_SLICE_S = 0.5
+# A caller waiting for a message reads every lane at least this often (see _wait_reading).
+_SWEEP_S = 0.5
 # A receive from a peer without a lane looks this often whether one appeared (its stream opened).
 _NO_LANE_SLICE_S = 0.02
 # A lane takes a message in one record up to a quarter of it, header included: about this much is headers.
@@ -202,7 +202,7 @@ class _LaneReceive(Request):
         self._key = None
         self._future = p2p.mailbox.post_reserved(key, self._sink)
         self._cancel = lambda error: p2p.mailbox.cancel(key, error)
-        self._progress = functools.partial(p2p._wait_reading_lane, key[0], 0.0)
+        self._progress = functools.partial(p2p._wait_reading, key[0], 0.0)
         self._poll = functools.partial(p2p._read_lane_of, key[0])
 
 
@@ -383,11 +383,10 @@ class PointToPoint:
         self._read_lane_of(src)  # what already arrived in its lane, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
         progress = poll = None
+        if self._lanes_possible or self.options.data_socket:
+            progress = functools.partial(self._wait_reading, src, self._spins_for(sink))
         if self._lanes_possible:
-            progress = functools.partial(self._wait_reading_lane, src, self._spins_for(sink))
             poll = functools.partial(self._read_lane_of, src)
-        elif self.options.data_socket:
-            progress = functools.partial(self._wait_reading_socket, src)
         return Request(
             future,
             describe,
@@ -449,87 +448,65 @@ class PointToPoint:
             request.cancel()
             raise
 
-    def _wait_reading_lane(self, src: int, spin_s: float, future: futures.Future, timeout: float):
-        """Waits for a receive from ``src``, reading ``src``'s lane in this thread meanwhile.
+    def _wait_reading(self, src: int, spin_s: float, future: futures.Future, timeout: float):
+        """Waits for a receive from ``src``, reading ``src``'s lane, or else its data socket, in this
+        thread meanwhile.
 
-        Looks again and again for ``spin_s``, then sleeps on the lane's doorbell, which the
-        sender rings after each message and this process when the receive completes another
-        way (its message came on the stream, or the stream ended and failed it).
+        On a lane it looks again and again for ``spin_s``, then sleeps on the lane's doorbell,
+        which the sender rings after each message and this process when the receive completes
+        another way (its message came on the stream, or the stream ended and failed it). Every
+        :data:`_SWEEP_S` it also reads every other lane: a message nobody waits for is then
+        delivered, and its collective descriptor checked (a rank that called another collective
+        is found out by what it sends, which may sit in a lane no receive reads).
 
         Raises:
             futures.TimeoutError: not complete within ``timeout``.
         """
-        deadline = time.monotonic() + timeout
-        spin_until = time.monotonic() + spin_s
+        now = time.monotonic()
+        deadline, spin_until, sweep_at = now + timeout, now + spin_s, now + _SWEEP_S
         rings_on_completion = False
         future.add_done_callback(functools.partial(self._wake_socket_reader, src))  # for a peer without a lane
-        while True:
-            inbound = self._lanes.get(src)
-            lane = inbound.lane if inbound is not None else None
-            if lane is None:
-                if self._read_socket_of(src, future, deadline):
-                    return future.result(0)
-                # No lane (yet): the stream's thread completes the future. Look again now and then,
-                # as a stream that opens meanwhile brings a lane its first messages may come by.
-                remaining = deadline - time.monotonic()
-                try:
-                    return future.result(max(0.0, min(remaining, _NO_LANE_SLICE_S)))
-                except futures.TimeoutError:
-                    if remaining <= _NO_LANE_SLICE_S:
-                        raise
-                    continue
-            seen = lane.doorbell
-            inbound.read_lane()  # type: ignore[union-attr]
-            if future.done():
-                return future.result(0)
+        while not future.done():
             now = time.monotonic()
             if now >= deadline:
                 raise futures.TimeoutError()
-            if now < spin_until:
+            if now >= sweep_at:
+                self._sweep_lanes()
+                sweep_at = now + _SWEEP_S
+            inbound = self._lanes.get(src)
+            lane = inbound.lane if inbound is not None else None
+            if lane is None:
+                self._wait_without_lane(src, future, min(deadline, sweep_at))
+                continue
+            seen = lane.doorbell
+            inbound.read_lane()  # type: ignore[union-attr]
+            if future.done() or now < spin_until:
                 continue
             if not rings_on_completion:
                 future.add_done_callback(functools.partial(_ring, lane))
                 rings_on_completion = True
                 continue  # look once more: it may have completed before the callback was added
-            lane.wait(seen, min(deadline - now, _LANE_WAIT_SLICE_S))
-
-    def _wait_reading_socket(self, src: int, future: futures.Future, timeout: float):
-        """Waits for a receive from ``src``, reading ``src``'s data socket in this thread meanwhile
-        whenever no other thread does (else the stream's thread completes the future; this one
-        looks again now and then).
-
-        Raises:
-            futures.TimeoutError: not complete within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        future.add_done_callback(functools.partial(self._wake_socket_reader, src))
-        while not future.done():
-            if self._read_socket_of(src, future, deadline):
-                break
-            remaining = deadline - time.monotonic()
-            try:
-                return future.result(max(0.0, min(remaining, _NO_LANE_SLICE_S)))
-            except futures.TimeoutError:
-                if remaining <= _NO_LANE_SLICE_S:
-                    raise
+            lane.wait(seen, max(0.0, min(deadline, sweep_at) - now))
         return future.result(0)
 
-    def _read_socket_of(self, src: int, future: futures.Future, deadline: float) -> bool:
-        """Reads ``src``'s data socket in this thread until ``future`` is done (True) or ``deadline``
-        (``time.monotonic()``) passes; False at once if it cannot now (no socket, or another thread
-        reads it). ``future`` must wake the socket's reader when done (:meth:`_wake_socket_reader`).
-
-        Raises:
-            futures.TimeoutError: the deadline passed.
-        """
+    def _wait_without_lane(self, src: int, future: futures.Future, until: float) -> None:
+        """Waits for ``future`` up to ``until`` (``time.monotonic()``) at most, reading ``src``'s data
+        socket in this thread if it has one that no other thread reads, else on the future in short
+        slices (a stream that opens meanwhile brings a lane or a socket its messages may come by).
+        ``future`` must wake the socket's reader when done (:meth:`_wake_socket_reader`)."""
         inbound = self._sockets.get(src)
         socket = inbound.socket if inbound is not None else None
         waiting = lambda: not future.done()  # noqa: E731
-        if socket is None or not socket.read_while(inbound, waiting, deadline, self.options.spin_us * 1e-6):  # type: ignore[arg-type]
-            return False
-        if not future.done():
-            raise futures.TimeoutError()
-        return True
+        if socket is not None and socket.read_while(inbound, waiting, until, self.options.spin_us * 1e-6):  # type: ignore[arg-type]
+            return
+        try:
+            future.result(max(0.0, min(until - time.monotonic(), _NO_LANE_SLICE_S)))
+        except futures.TimeoutError:
+            pass
+
+    def _sweep_lanes(self) -> None:
+        for inbound in list(self._lanes.values()):
+            inbound.read_lane()
 
     def _wake_socket_reader(self, src: int, _future: futures.Future) -> None:
         inbound = self._sockets.get(src)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError
-from tests.cluster import ThreadCluster
+from tests.cluster import ThreadCluster, transport_options
 
 
-def outcomes(n, fn, timeout=30):
-    with ThreadCluster(n) as cluster:
+def outcomes(n, fn, timeout=30, transport=None):
+    with ThreadCluster(n, transport_options(transport) if transport else None) as cluster:
         return cluster.run_outcomes(fn, timeout=timeout)
 
 
@@ -26,15 +26,17 @@ def outcomes(n, fn, timeout=30):
         (3, lambda c: c.reduce_scatter(np.ones(4, np.float32)), "op"),
     ],
 )
-def test_every_rank_raises_mismatch_naming_ranks_and_difference(n, odd_call, what):
+@pytest.mark.parametrize("transport", ["shared-memory", "data-socket"])
+def test_every_rank_raises_mismatch_naming_ranks_and_difference(n, odd_call, what, transport):
     odd = n - 1
 
     def program(c):
+        c.allreduce(np.ones(2))  # agreed: the streams are open, their lanes or data sockets in use
         if c.rank == odd:
             return odd_call(c)
         return c.allreduce(np.ones(4, np.float32))
 
-    results = outcomes(n, program)
+    results = outcomes(n, program, transport=transport)
     for rank, outcome in enumerate(results):
         assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
         assert what in str(outcome)
