@@ -9,7 +9,9 @@ or, for every other payload, read by the source (chunk frames on gRPC, raw
 bytes on the data socket). What is done with the bytes (matching, copying,
 reducing) belongs to the collective layer.
 
-All of it runs in the one server thread that serves the stream's call.
+The routine runs in the server thread that serves the stream's call; on a data
+socket, a thread waiting for one of the stream's messages reads too, one reader
+at a time (:class:`SocketFrames`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ request-iterator thread. The stream's hello may offer the peer a shared-memory
 arena and ask it for a direct data socket; the peer's answer settles the
 stream's :mod:`byte path <.byte_paths>` before the first message is written.
 Small messages to a peer that mapped the arena skip the queue: the caller
-writes them into the arena's lane itself (:meth:`OutboundStream.try_lane`).
+writes them into the arena's lane itself (:meth:`OutboundStream.try_lane`);
+so do messages on a stream that moved to its data socket, which the caller
+writes on the socket itself when nothing is queued (:meth:`OutboundStream.try_socket`).
 """
 
 from __future__ import annotations
@@ -101,13 +103,15 @@ class OutboundStream:
     """The long-lived ``Transfer`` stream from this worker to one peer.
 
     Threads and what they own: the callers of :meth:`submit`, :meth:`try_lane`,
-    :meth:`close` and :meth:`fail`; the writer (gRPC's request iterator,
-    :meth:`_frames`) takes queued messages and writes them on the settled path;
+    :meth:`try_socket` (which writes while it holds ``_in_flight``), :meth:`close` and
+    :meth:`fail`; the writer (gRPC's request iterator, :meth:`_frames`) takes queued
+    messages and writes them on the settled path, never while a caller writes;
     the reply reader (only when the hello offers an arena or asks for a data
     socket) reads the peer's answer, settles ``_path`` and hands arena slots
     back; gRPC's callback thread reports the call's end. ``_state``,
     ``_reason``, ``_queue``, ``_in_flight`` and ``_path`` change only under
-    ``_cond``; ``_path`` and ``_lane`` are set once; ``bytes_sent`` is the writer's.
+    ``_cond``; ``_path`` and ``_lane`` are set once; ``bytes_sent`` is changed by
+    whoever writes (the writer, or a caller in :meth:`try_socket`).
 
     Args:
         channel: channel to the peer.
