@@ -193,8 +193,10 @@ class SocketFrames:
         self._stop_reading()
         while True:
             if not self._left:
-                self._wait_for_something()
-                _drain(self._wake_server)  # whatever woke it is looked at below
+                readable = self._wait_for_something()
+                woken = _drain(self._wake_server)  # whatever woke it is looked at below
+                if not (readable or woken or self._left):
+                    continue  # a slice passed with nothing to look at
             self._reading.acquire()
             self._server_reads = True
             if self._left:
@@ -206,8 +208,9 @@ class SocketFrames:
                 return self._socket.recv_frame()
             self._stop_reading()
 
-    def _wait_for_something(self) -> None:
-        """Waits (up to a slice) until there may be something for the server thread to read.
+    def _wait_for_something(self) -> bool:
+        """Waits (up to a slice) until the server thread is woken or the socket has something to
+        read; returns whether it has.
 
         While waiting threads read the socket (one did within :data:`_READERS_GRACE_S`), the
         server thread does not watch it: it would be woken by every message they read, and take
@@ -216,8 +219,8 @@ class SocketFrames:
         quiet = time.monotonic() - self._last_read
         if quiet < _READERS_GRACE_S:
             self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
-        else:
-            self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
+            return False
+        return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
 
     def read_payload(self, writer: MessageWriter, nbytes: int) -> None:
         piece = min(nbytes, _SOCKET_PIECE)
@@ -354,11 +357,12 @@ def _read_by_waiting_threads(control: peer_pb2.Frame) -> bool:
     )
 
 
-def _drain(fd: int) -> None:
+def _drain(fd: int) -> bool:
+    """Resets the eventfd ``fd``; returns whether it had been written."""
     try:
-        os.eventfd_read(fd)
+        return os.eventfd_read(fd) > 0
     except BlockingIOError:
-        pass
+        return False
 
 
 def deliver(source: FrameSource, receiver: StreamReceiver, header: peer_pb2.MessageHeader) -> None:
