@@ -249,9 +249,10 @@ def _shuffled_alike_on_every_worker(get_tf_dataset):
     its own order, so some rows trained twice an epoch and others never. In a
     job of several workers the shuffles of the dataset built here are
     stateless shuffles seeded by rank 0's random seed (broadcast once, when
-    ``fit`` builds its dataset) and a counter that every shuffle advances: a new
-    order every epoch, as in one process, identical on every worker, so each
-    row is used once per epoch. The user seeds nothing.
+    ``fit`` builds its dataset), the number of the epoch's iterator and the
+    batch's place in it: a new order every epoch, as in one process, identical
+    on every worker however far each prefetched, so each row is used once per
+    epoch. The user seeds nothing.
     """
     import numpy as np
     import tensorflow as tf
@@ -264,13 +265,19 @@ def _shuffled_alike_on_every_worker(get_tf_dataset):
         if not adapter._shuffle or not runtime.is_initialized() or runtime.size() == 1:
             return get_tf_dataset(adapter)
         mine = np.random.default_rng().integers(0, 2**62, size=1, dtype=np.int64)
-        seed = int(runtime.communicator().broadcast(mine, root=0)[0])
+        seed = tf.constant(int(runtime.communicator().broadcast(mine, root=0)[0]), tf.int64)
+        batch_size = tf.constant(adapter._batch_size, tf.int64)
         with tf.init_scope(), tf.device("/cpu:0"):
-            shuffles = resource_variable_ops.ResourceVariable(0, dtype=tf.int64, trainable=False)
+            epochs = resource_variable_ops.ResourceVariable(0, dtype=tf.int64, trainable=False)
 
         def shuffle(value, *_ignored, **_ignored_too):
-            count = shuffles.assign_add(1)
-            return tf.random.experimental.stateless_shuffle(value, seed=tf.stack([tf.constant(seed, tf.int64), count]))
+            # Keras shuffles once per iterator (all the rows, or every batch of rows in order). A
+            # counter of shuffles would depend on how far each worker's discarded iterators (a peek
+            # at the first batch) had prefetched: the key is the iterator's number, counted at its
+            # first batch, and the batch's place in the epoch.
+            place = tf.reduce_min(value) // batch_size if adapter._shuffle == "batch" else tf.constant(0, tf.int64)
+            epoch = tf.cond(tf.equal(place, 0), lambda: epochs.assign_add(1), epochs.read_value)
+            return tf.random.experimental.stateless_shuffle(value, seed=tf.stack([seed + epoch, place]))
 
         unseeded, tf.random.shuffle = tf.random.shuffle, shuffle
         try:  # Keras traces its dataset functions here, reading tf.random.shuffle as it does

@@ -27,3 +27,38 @@ def test_every_row_once_per_epoch_in_a_new_order(tmp_path, n, shuffle):
     assert firsts[0][0] != firsts[0][1] != firsts[0][2]  # a new order every epoch
     assert all(w["weights"] == workers[0]["weights"] for w in workers)
     assert all(len(w["val_loss"]) == 3 and np.all(np.isfinite(w["val_loss"])) for w in workers)
+
+
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_the_order_does_not_depend_on_how_far_a_discarded_iterator_prefetched(monkeypatch, shuffle):
+    # A worker's peek at the first batch (Keras does one before training) may compute more batches
+    # than it takes, as far as its prefetching got: the orders after it must not depend on that.
+    import inspect
+
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    from elasticdl_strategy import runtime
+    from elasticdl_strategy.strategy import keras_compat
+
+    class RankZeroSeed:
+        def broadcast(self, array, root=0):
+            return np.array([12345], np.int64)
+
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "size", lambda: 2)
+    monkeypatch.setattr(runtime, "communicator", RankZeroSeed)
+    get_tf_dataset = keras_compat._shuffled_alike_on_every_worker(inspect.unwrap(ArrayDataAdapter.get_tf_dataset))
+    rows = np.arange(64, dtype=np.float32)[:, None]
+
+    def epochs_after_a_peek(peeked: int):
+        dataset = get_tf_dataset(ArrayDataAdapter(rows, batch_size=8, shuffle=shuffle))
+        peek = iter(dataset)
+        for _ in range(peeked):  # the batches the discarded iterator computed
+            next(peek)
+        del peek
+        return [[int(r) for batch in dataset for r in np.ravel(tf.nest.flatten(batch)[0])] for _ in range(2)]
+
+    one, several = epochs_after_a_peek(1), epochs_after_a_peek(5)
+    assert one == several
+    assert one[0] != one[1] and sorted(one[0]) == sorted(one[1]) == list(range(64))
