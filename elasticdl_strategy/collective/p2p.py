@@ -464,8 +464,7 @@ class PointToPoint:
         """
         now = time.monotonic()
         deadline, spin_until, sweep_at = now + timeout, now + spin_s, now + _SWEEP_S
-        rings_on_completion = False
-        future.add_done_callback(functools.partial(self._wake_socket_reader, src))  # for a peer without a lane
+        rings_on_completion = wakes_socket_reader = False
         while not future.done():
             now = time.monotonic()
             if now >= deadline:
@@ -476,6 +475,9 @@ class PointToPoint:
             inbound = self._lanes.get(src)
             lane = inbound.lane if inbound is not None else None
             if lane is None:
+                if not wakes_socket_reader:  # once: a peer with a lane never needs it
+                    future.add_done_callback(functools.partial(self._wake_socket_reader, src))
+                    wakes_socket_reader = True
                 self._wait_without_lane(src, future, min(deadline, sweep_at))
                 continue
             seen = lane.doorbell

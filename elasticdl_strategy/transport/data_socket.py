@@ -58,6 +58,11 @@ def _tune(sock: socket.socket, keepalive_s: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+def _poll_ms(timeout: float) -> int:
+    """``timeout`` seconds as ``poll``'s milliseconds, rounded up (never a busy wait for less than 1 ms)."""
+    return max(0, int(timeout * 1000 + 0.999))
+
+
 class FrameSocket:
     """A connected data socket: length-prefixed frames and raw payload bytes.
 
@@ -154,7 +159,7 @@ class FrameSocket:
             poller.register(self._fd, select.POLLIN | select.POLLPRI)
             if wake_fd is not None:
                 poller.register(wake_fd, select.POLLIN)
-        events = poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+        events = poller.poll(None if timeout is None else _poll_ms(timeout))
         return any(ready == self._fd for ready, _ in events)
 
     @staticmethod
@@ -162,7 +167,7 @@ class FrameSocket:
         """Waits up to ``timeout`` seconds for ``wake_fd`` to become readable; returns whether it did."""
         poller = select.poll()
         poller.register(wake_fd, select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
+        return bool(poller.poll(_poll_ms(timeout)))
 
     def _read(self, n: int) -> bytes:
         if self._end - self._start >= n:  # the usual case: the whole frame came in one read ahead
