@@ -541,6 +541,9 @@ class PointToPoint:
             stream = self._streams.get(peer)
             if stream is not None:  # sends to it fail now, not when that connection notices
                 stream.fail(reason)
+            inbound = self._sockets.get(peer)
+            if inbound is not None and inbound.socket is not None:  # a hung sender may stop mid-message
+                inbound.socket.shutdown()
         self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
         if self.failure_observer is not None:
             self.failure_observer(peer, reason, clean)

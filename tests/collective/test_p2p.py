@@ -18,6 +18,7 @@ from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
 from tests.cluster import ThreadCluster, transport_options
+from tests.conditions import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +197,6 @@ def shm_pair():
     wait_for(lambda: a.shared_memory_peers == [1], "the peer mapped the arena")
     yield cluster, a, b
     cluster.close()
-
-
-def wait_for(condition, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.01)  # polling the condition
 
 
 def asleep_in_futex(native_id: int) -> bool:
@@ -472,3 +466,46 @@ def test_over_a_data_socket_the_sender_writes_and_the_waiting_receiver_reads_in_
         receiving.join(timeout=10)
     np.testing.assert_array_equal(received["array"], np.arange(1000.0))
     assert writers == [threading.current_thread().name] and readers == ["receiving"]
+
+
+def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when_the_sender_is_declared_failed(
+    socket_pair, monkeypatch
+):
+    _, a, b = socket_pair
+    resume = threading.Event()
+    send_frame, on_header = FrameSocket.send_frame, _InboundStream.on_header
+    readers = []
+
+    def hanging_send_frame(self, frame, payload=None, on_block=None):  # a quarter of the payload, then it hangs
+        send_frame(self, frame, payload[: len(payload) // 4], on_block)
+        resume.wait(30)
+
+    def recorded_on_header(self, header):
+        readers.append(threading.current_thread().name)
+        return on_header(self, header)
+
+    monkeypatch.setattr(FrameSocket, "send_frame", hanging_send_frame)
+    monkeypatch.setattr(_InboundStream, "on_header", recorded_on_header)
+    outcome = {}
+
+    def receive():
+        try:
+            b.recv(0, tag=6, out=np.zeros(1 << 20), timeout=30)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = e
+
+    sending = threading.Thread(target=lambda: a.isend(np.ones(1 << 20), dst=1, tag=6), daemon=True)
+    receiving = threading.Thread(target=receive, name="receiving", daemon=True)
+    try:
+        receiving.start()
+        wait_for(lambda: b._sockets[0].socket._reader is not None, "the receive reading the socket")
+        sending.start()
+        wait_for(lambda: readers == ["receiving"], "the receive reading the 8 MiB message itself")
+        b.peer_failed(0, "hung")
+        receiving.join(timeout=5)
+        assert not receiving.is_alive(), "the receive is still reading the hung sender's message"
+        assert isinstance(outcome.get("error"), PeerFailureError), outcome
+    finally:
+        resume.set()
+        sending.join(timeout=10)
+        receiving.join(timeout=10)

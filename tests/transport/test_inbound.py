@@ -2,6 +2,7 @@
 socket, and the frames out of place that end a stream."""
 
 import socket
+import struct
 import threading
 import time
 from typing import List, Optional
@@ -15,6 +16,7 @@ from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.inbound import GrpcFrames, SocketFrames, receive_messages
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
+from tests.conditions import wait_for
 
 MAX_FRAME = 1 << 20
 
@@ -178,18 +180,45 @@ def test_a_thread_waiting_for_messages_reads_them_itself_and_leaves_the_goodbye_
 
     def waiting():  # first called with the socket held: the messages come while this thread reads
         if not sent:
-            sent.extend([b"first", b"x" * 100_000, b"third"])
-            for sequence, payload in enumerate(sent):
-                server.send(sequence, payload)
+            sent.extend([b"first", b"x" * 100_000, b"third", bytes(range(256)) * (3 << 12)])  # 3 MiB too
+            sending = threading.Thread(
+                target=lambda: [server.send(sequence, payload) for sequence, payload in enumerate(sent)]
+            )
+            sending.start()  # the socket's buffers hold less than 3 MiB: written while this thread reads
+            threads.append(sending)
         return len(receiver.messages) < len(sent)
 
+    threads: List[threading.Thread] = []
     assert receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)
+    threads[0].join(timeout=10)
     server.sending.send_frame(GOODBYE)
     assert not receiver.socket.read_while(receiver, lambda: True, time.monotonic() + 10)  # left to the server thread
     outcome = server.finish()
     assert outcome["goodbye"].reason == "done", outcome
     assert receiver.payloads() == sent
-    assert receiver.delivered_by == [threading.current_thread().name] * 3
+    assert receiver.delivered_by == [threading.current_thread().name] * 4
+
+
+def test_a_waiting_thread_reading_a_message_its_sender_stopped_in_the_middle_of_returns_at_shutdown():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    reading = threading.Thread(
+        target=lambda: receiver.socket.read_while(receiver, lambda: True, time.monotonic() + 30), name="reading"
+    )
+    reading.start()
+    try:
+        wait_for(lambda: receiver.socket._reader is not None, "the waiting thread holding the socket")
+        header = frames.encode_header(_header(0, 4 << 20))
+        server.sending._sock.sendall(struct.pack("<I", len(header)) + header + bytes(1 << 20))  # a quarter, no more
+        wait_for(lambda: receiver.delivered_by == ["reading"], "the waiting thread reads the message")
+        receiver.socket.shutdown()  # as when the sender is declared failed
+        reading.join(timeout=5)
+        assert not reading.is_alive(), "the reading thread is still in the message"
+        assert isinstance(server.finish().get("error"), DataSocketClosed)
+        assert not receiver.messages[0].finished
+    finally:
+        server.sending.close()
+        reading.join(timeout=10)
 
 
 def test_a_broken_connection_a_waiting_thread_finds_ends_the_stream_in_the_server_thread():
