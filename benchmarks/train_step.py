@@ -34,9 +34,15 @@ Breakdown of ours, measured beside the training: the gradients travel in buckets
 ``--bucket-mib`` MiB (``AllReduceStrategy(bucket_bytes=...)``), and the bucket all-reduces per
 step are counted (``bridge.counters()``). ``runtime.allreduce`` of one float32 buffer of the
 parameter count is timed the same way as the steps; compute and the rest ~ step time - that.
-The bytes this rank sent per training step (``runtime.stats()``) confirm the size. The
-bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function`` with an
-identity function, on a tensor of the parameter count and on a 1-element one.
+The bytes this rank sent per training step (``runtime.stats()``) confirm the size. Inside
+the timed steps, the bridge's counters give the time spent packing gradients into buckets and
+in the buckets' all-reduces (waiting for the slower worker included); after the timed windows
+every worker times the same traced step while the bridge hands the gradients back unreduced
+(compute, optimizer and bridge without the all-reduce; the models drift apart, only the time
+is kept). The bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function``
+with an identity function, on a tensor of the parameter count and on a 1-element one, and
+beside the same ``tf.function`` without it: the difference is what one crossing costs, the
+rest is TensorFlow's cost of calling a function, which one process pays as well.
 
 Variants of ours: ``--bucket-mib 4,16,64`` and ``--overlap on,off`` (off: one numpy_function
 for all the buckets of a step instead of one per bucket, so no reduction starts before backprop
@@ -49,6 +55,7 @@ variant is the "ours" of the main table.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -251,14 +258,16 @@ def window_seconds(call: Callable[[], object], steps: int, repeats: int) -> List
     return seconds
 
 
-def measure_bridge(count: int, steps: int, repeats: int, warmup: int) -> List[float]:
-    """Seconds per call of a tf.function passing a float32 tensor of ``count`` through an identity numpy_function."""
+def measure_bridge(count: int, steps: int, repeats: int, warmup: int, crossings: int = 1) -> List[float]:
+    """Seconds per call of a tf.function passing a float32 tensor of ``count`` through ``crossings``
+    identity numpy_functions (0: the same function without one, the cost of calling a tf.function)."""
     import tensorflow as tf
 
     @tf.function(jit_compile=False)
     def round_trip(tensor):
-        out = tf.numpy_function(lambda a: a, [tensor], tf.float32, stateful=True)
-        return out[0]  # fetching a scalar: no copy of the whole tensor
+        for _ in range(crossings):
+            tensor = tf.numpy_function(lambda a: a, [tensor], tf.float32, stateful=True)
+        return tensor[0]  # fetching a scalar: no copy of the whole tensor
 
     tensor = tf.zeros([count], tf.float32)
 
@@ -268,6 +277,23 @@ def measure_bridge(count: int, steps: int, repeats: int, warmup: int) -> List[fl
     for _ in range(warmup):
         call()
     return window_seconds(call, steps, repeats)
+
+
+def windows_without_the_ring(call: Callable[[], object], steps: int, repeats: int) -> List[float]:
+    """Seconds per step of ``call`` (a step traced with the bridge) while the bridge hands the
+    gradients back unreduced: what the step costs without the all-reduce (the workers' models then
+    drift apart; only the time is kept). Every worker calls it at the same point."""
+    from elasticdl_strategy import runtime
+    from elasticdl_strategy.strategy import bridge
+
+    reduce_buckets = bridge.reduce_buckets
+    runtime.barrier()
+    bridge.reduce_buckets = lambda arrays, *args, **kwargs: [np.asarray(a) for a in arrays]
+    try:
+        return window_seconds(call, steps, repeats)
+    finally:
+        bridge.reduce_buckets = reduce_buckets
+        runtime.barrier()
 
 
 def measure_ours_allreduce(count: int, steps: int, repeats: int, warmup: int) -> List[float]:
@@ -319,23 +345,27 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
                 run_step(features, labels)
             steps.append(run_step)
         seconds: List[List[float]] = [[] for _ in variants]
-        buckets = [0] * len(variants)
+        counted = [collections.Counter() for _ in variants]  # bridge.counters() summed over the windows
         allocations_before = bridge.counters()["staging_allocations"]
         sent_before = runtime.stats()["bytes_sent"]
         for _ in range(args.repeats):
             for i, run_step in enumerate(steps):
-                before = bridge.counters()["buckets"]
+                before = bridge.counters()
                 seconds[i] += window_seconds(lambda: run_step(features, labels), args.steps, 1)  # noqa: B023
-                buckets[i] += bridge.counters()["buckets"] - before
+                counted[i].update({k: v - before[k] for k, v in bridge.counters().items()})
         sent = runtime.stats()["bytes_sent"] - sent_before
         allocations = bridge.counters()["staging_allocations"] - allocations_before
+        no_ring = windows_without_the_ring(lambda: steps[0](features, labels), args.steps, args.repeats)
     finally:
         bridge._OVERLAP = default_overlap
     timed_steps = args.steps * args.repeats
     result = {
         "params": params,
         "step_s": seconds[0],
-        "buckets_per_step": buckets[0] / timed_steps,
+        "no_ring_step_s": no_ring,
+        "pack_s_per_step": counted[0]["pack_s"] / timed_steps,
+        "ring_s_per_step": counted[0]["ring_s"] / timed_steps,
+        "buckets_per_step": counted[0]["buckets"] / timed_steps,
         "sent_bytes_per_step": sent / (timed_steps * len(variants)),
         "staging_allocations_per_step": allocations / (timed_steps * len(variants)),
         "variants": [
@@ -343,7 +373,7 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
                 "bucket_mib": v.bucket_mib,
                 "overlap": v.overlap,
                 "step_s": seconds[i],
-                "buckets_per_step": buckets[i] / timed_steps,
+                "buckets_per_step": counted[i]["buckets"] / timed_steps,
             }
             for i, v in enumerate(variants)
         ],
@@ -351,6 +381,7 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
     result["allreduce_s"] = measure_ours_allreduce(params, args.steps, args.repeats, args.warmup)
     result["bridge_s"] = measure_bridge(params, args.steps, args.repeats, args.warmup)
     result["bridge_tiny_s"] = measure_bridge(1, args.steps, args.repeats, args.warmup)
+    result["function_call_s"] = measure_bridge(1, args.steps, args.repeats, args.warmup, crossings=0)
     return result
 
 
@@ -479,9 +510,23 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
         f"{ours.data['buckets_per_step']:g} bucket all-reduce(s)/step (buckets <= {args.bucket_mib[0]:g} MiB); "
         f"staging buffers allocated per timed step (all variants): {ours.data['staging_allocations_per_step']:g}"
     )
+    if "no_ring_step_s" in ours.data:
+        alone, pack, ring = (
+            ours.median_ms("no_ring_step_s"),
+            ours.data["pack_s_per_step"] * 1e3,
+            ours.data["ring_s_per_step"] * 1e3,
+        )
+        print(
+            f"  in the step (ms/step): packing the gradients into buckets {pack:.2f}, the buckets' all-reduces "
+            f"{ring:.2f} (waiting for the slower worker included); the same step without the all-reduce "
+            f"(gradients handed back unreduced, timed after the others) {alone:.2f}"
+        )
+    call = ours.median_ms("function_call_s") if "function_call_s" in ours.data else 0.0
     print(
         f"  bridge (tf.function + identity tf.numpy_function, ms/call): {ours.median_ms('bridge_s'):.3f} "
-        f"for {format_mib(4 * ours.data['params'])}, {ours.median_ms('bridge_tiny_s'):.3f} for 1 element"
+        f"for {format_mib(4 * ours.data['params'])}, {ours.median_ms('bridge_tiny_s'):.3f} for 1 element; "
+        f"the same tf.function without the numpy_function {call:.3f}, so one crossing costs "
+        f"{ours.median_ms('bridge_tiny_s') - call:.3f}"
     )
     variants = ours.data.get("variants", [])
     if len(variants) > 1:

@@ -49,6 +49,7 @@ import collections
 import contextlib
 import functools
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -235,12 +236,14 @@ def _layout_uses(keys: Sequence[tuple]) -> Dict[tuple, int]:
     return dict(collections.Counter(keys))
 
 
-_counters = {"reductions": 0, "buckets": 0}
+_counters: Dict[str, float] = {"reductions": 0, "buckets": 0, "pack_s": 0.0, "ring_s": 0.0}
 
 
-def counters() -> Dict[str, int]:
+def counters() -> Dict[str, float]:
     """Since the process started: ``reductions`` (calls of the ring all-reduce path),
-    ``buckets`` (ring all-reduces of a bucket), ``staging_allocations`` (staging buffers made)."""
+    ``buckets`` (ring all-reduces of a bucket), ``staging_allocations`` (staging buffers made),
+    ``pack_s`` (seconds spent copying tensors into staging buffers), ``ring_s`` (seconds in the
+    buckets' all-reduces, waiting for the other workers included)."""
     return {**_counters, "staging_allocations": _pool.allocations}
 
 
@@ -327,8 +330,12 @@ def reduce_buckets(
         for bucket in staged:
             bucket.acquire(uses)
         for bucket in staged:
+            started = time.perf_counter()
             bucket.pack(arrays)
+            packed = time.perf_counter()
             bucket.reduce(communicator, op, timeout, compression)
+            _counters["pack_s"] += packed - started
+            _counters["ring_s"] += time.perf_counter() - packed
             bucket.unpack(arrays, results)
     finally:  # a failed reduction gives its buffers back
         for bucket in staged:

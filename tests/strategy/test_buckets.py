@@ -175,6 +175,23 @@ def test_a_result_tensorflow_holds_keeps_its_buffer_leased_and_a_failed_call_giv
     assert bridge.counters()["staging_allocations"] == allocations
 
 
+def test_the_counters_time_packing_and_the_ring_apart(fake, monkeypatch):
+    ring_seconds = 0.05
+    allreduce = fake.allreduce
+
+    def slow_allreduce(*args, **kwargs):
+        threading.Event().wait(ring_seconds)  # a ring that takes this long
+        return allreduce(*args, **kwargs)
+
+    monkeypatch.setattr(fake, "allreduce", slow_allreduce)
+    before = bridge.counters()
+    bridge.allreduce_arrays([np.ones(1 << 16, np.float32), np.ones(10, np.float32)], "sum", bucket_bytes=1024)
+    after = bridge.counters()
+    assert after["buckets"] - before["buckets"] == 2
+    assert after["ring_s"] - before["ring_s"] >= 2 * ring_seconds
+    assert 0 < after["pack_s"] - before["pack_s"] < ring_seconds
+
+
 # ---- the order of the buckets in a tf.function ----------------------------------------------
 
 
