@@ -509,3 +509,17 @@ def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when
         resume.set()
         sending.join(timeout=10)
         receiving.join(timeout=10)
+
+
+def test_a_message_the_sender_writes_itself_does_not_wake_the_idle_writer_thread(socket_pair):
+    _, a, b = socket_pair
+    stream = a._streams[1]
+    wakes = []
+    notify_all = stream._cond.notify_all
+    stream._cond.notify_all = lambda: (wakes.append(threading.current_thread().name), notify_all())[1]
+    sent = stream.bytes_sent
+    for tag in range(20):
+        a.send(np.full(100, tag, np.float64), dst=1, tag=tag)
+        np.testing.assert_array_equal(b.recv(0, tag=tag, timeout=10), np.full(100, tag, np.float64))
+    assert stream.bytes_sent - sent == 20 * 800
+    assert wakes == []  # the writer thread sleeps through them: it has nothing to write
