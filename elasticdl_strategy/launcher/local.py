@@ -397,7 +397,8 @@ class LocalLauncher:
         tail = "\n".join("    " + line for line in first_failure.stderr_tail) or "    (no stderr output)"
         self._say(f"{first_failure.name} {how}; last lines of its stderr:\n{tail}")
         if len(failures) > 1:
-            self._say(f"after it, also failed: {', '.join(w.name for w in failures[1:])}")
+            others = ", ".join(f"{w.name} ({self._describe_exit(w)})" for w in failures[1:])
+            self._say(f"after it, also failed: {others}")
         return 1
 
     def _last_success_at(self) -> float:

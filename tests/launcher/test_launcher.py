@@ -175,6 +175,14 @@ def test_failing_worker_is_reported_with_exit_code_and_stderr_tail(tmp_path):
     assert "something went wrong: boom" in job.stderr.split("worker 1 exited with code 3", 1)[1]
 
 
+def test_every_failed_worker_is_reported_with_how_it_ended(tmp_path):
+    job = run_job(2, [sys.executable, worker_script("plain.py"), "fail-each-way", str(tmp_path)], timeout=60)
+    assert job.returncode == 1
+    # Which of the two the launcher saw end first is a race; both are described either way.
+    assert "worker 0 exited with code 3" in job.stderr or "worker 0 (exited with code 3)" in job.stderr
+    assert "worker 1 was killed by signal 9" in job.stderr or "worker 1 (was killed by signal 9)" in job.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_are_forwarded_to_every_worker(tmp_path, sig):
     job = Job(launcher_argv(2, [sys.executable, worker_script("plain.py"), "wait-for-signal", str(tmp_path)]))

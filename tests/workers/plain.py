@@ -25,6 +25,15 @@ elif mode == "fail-one":
         print("something went wrong: boom", file=sys.stderr, flush=True)
         sys.exit(3)
     time.sleep(0.2)
+elif mode == "fail-each-way":  # index 0 exits with code 3, then index 1 is killed by SIGKILL
+    flag = os.path.join(out_dir, "index0-exits")
+    if index == 0:
+        open(flag, "w").close()
+        sys.exit(3)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "wait-for-signal":
 
     def on_term(signum, frame):
