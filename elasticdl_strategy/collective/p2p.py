@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from concurrent import futures
@@ -433,6 +434,8 @@ class PointToPoint:
                 return taken
             if self.mailbox.arrived(key) or time.monotonic() >= give_up:
                 return False
+            if self.options.spin_yield:
+                os.sched_yield()
 
     def recv(
         self, src: int, tag: int = 0, out: Optional[np.ndarray] = None, timeout: Optional[float] = None
@@ -482,7 +485,11 @@ class PointToPoint:
                 continue
             seen = lane.doorbell
             inbound.read_lane()  # type: ignore[union-attr]
-            if future.done() or now < spin_until:
+            if future.done():
+                continue
+            if now < spin_until:
+                if self.options.spin_yield:
+                    os.sched_yield()
                 continue
             if not rings_on_completion:
                 future.add_done_callback(functools.partial(_ring, lane))
@@ -499,7 +506,8 @@ class PointToPoint:
         inbound = self._sockets.get(src)
         socket = inbound.socket if inbound is not None else None
         waiting = lambda: not future.done()  # noqa: E731
-        if socket is not None and socket.read_while(inbound, waiting, until, self.options.spin_us * 1e-6):  # type: ignore[arg-type]
+        spin_s, spin_yield = self.options.spin_us * 1e-6, self.options.spin_yield
+        if socket is not None and socket.read_while(inbound, waiting, until, spin_s, spin_yield):  # type: ignore[arg-type]
             return
         try:
             future.result(max(0.0, min(until - time.monotonic(), _NO_LANE_SLICE_S)))

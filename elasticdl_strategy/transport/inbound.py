@@ -240,14 +240,19 @@ class SocketFrames:
                 writer.target_done()
 
     def read_while(
-        self, receiver: StreamReceiver, waiting: Callable[[], bool], deadline: float, spin_s: float = 0.0
+        self,
+        receiver: StreamReceiver,
+        waiting: Callable[[], bool],
+        deadline: float,
+        spin_s: float = 0.0,
+        spin_yield: bool = False,
     ) -> bool:
         """In a thread waiting for a message of this stream: unless another thread reads the socket,
         reads it and delivers to ``receiver`` every message that comes, while ``waiting()`` and
         until ``deadline`` (``time.monotonic()``); :meth:`wake_reader` makes it look at
         ``waiting()`` again at once. For the first ``spin_s`` seconds it looks at the socket again
         and again rather than sleep until something comes (a sleeping thread takes tens of
-        microseconds to wake).
+        microseconds to wake), offering its core to other threads between looks if ``spin_yield``.
 
         Returns:
             True once ``waiting()`` is false or the deadline passed; False, sooner, if another
@@ -271,6 +276,8 @@ class SocketFrames:
                 if not self._socket.wait_readable(wait, self._wake_reader):
                     if wait:
                         _drain(self._wake_reader)
+                    elif spin_yield:
+                        os.sched_yield()
                     continue
                 if not self._read_message(receiver):
                     return False

@@ -106,6 +106,13 @@ class TLSConfig:
         return env
 
 
+# How long a caller spins (yielding its core between looks) on a host whose workers outnumber its cores.
+# Measured (benchmarks/allreduce.py, shared memory, 2 cores), sleeping at once -> spinning 2 ms:
+# N = 3, 4 KiB 0.35 -> 0.07 ms, 256 KiB 0.35 -> 0.11, 4 MiB 2.5 -> 1.5; N = 4, 4 KiB 0.59 -> 0.23,
+# 4 MiB 4.9 -> 1.9 (10 ms: no better).
+OVERSUBSCRIBED_SPIN_US = 2000.0
+
+
 def _workers_on_host(env: Mapping[str, str]) -> int:
     """``EDL_LOCAL_SIZE`` (the launcher's worker slots on this host), 1 when unset or not a number."""
     try:
@@ -142,9 +149,17 @@ class TransportOptions:
         spin_us: how long a caller waiting for a message on a lane or data
             socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
-            environment (``EDL_SPIN_US`` unset): 200, or 0 when the workers of
-            this host (``EDL_LOCAL_SIZE``) outnumber its cores, where a caller
-            that spins takes the core its peer needs to answer.
+            environment (``EDL_SPIN_US`` unset): 200, or
+            :data:`OVERSUBSCRIBED_SPIN_US` when the workers of this host
+            (``EDL_LOCAL_SIZE``) outnumber its cores (with ``spin_yield``).
+        spin_yield: between two looks, a spinning caller offers its core to
+            any other thread ready to run (``sched_yield``): where the host's
+            workers outnumber its cores, the peer it waits for then runs
+            instead of waiting for the spin to end (MPI does the same when
+            oversubscribed). Off where each worker has a core: the yields slow
+            the loop down (N = 2, 256 KiB: 0.047 -> 0.080 ms). From the
+            environment (``EDL_SPIN_YIELD`` unset): on when the workers of this
+            host outnumber its cores.
         data_socket: move each stream's frames to a direct TCP connection
             that the stream sets up and authenticates: between hosts it
             carries the payloads too; with shared memory, the small frames
@@ -169,6 +184,7 @@ class TransportOptions:
     shm_slots: int = 8
     shm_lane_bytes: int = 16 * MiB
     spin_us: float = 200.0
+    spin_yield: bool = False
     data_socket: bool = True
     hierarchical: bool = True
 
@@ -233,13 +249,14 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
-        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_SPIN_US``, ``EDL_DATA_SOCKET``,
-        ``EDL_HIERARCHICAL`` (both 0 or 1) and TLS."""
+        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_SPIN_US``, ``EDL_SPIN_YIELD``,
+        ``EDL_DATA_SOCKET``, ``EDL_HIERARCHICAL`` (these three 0 or 1) and TLS."""
         kwargs: Dict[str, Any] = {"tls": TLSConfig.from_env(env)}
         for var, name in (
             ("EDL_SHARED_MEMORY", "shared_memory"),
             ("EDL_DATA_SOCKET", "data_socket"),
             ("EDL_HIERARCHICAL", "hierarchical"),
+            ("EDL_SPIN_YIELD", "spin_yield"),
         ):
             flag = env.get(var)
             if flag:
@@ -264,6 +281,7 @@ class TransportOptions:
                     kwargs[name] = kind(env[var])
                 except ValueError:
                     raise ConfigError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
-        if "spin_us" not in kwargs and _workers_on_host(env) > len(os.sched_getaffinity(0)):
-            kwargs["spin_us"] = 0.0
+        if _workers_on_host(env) > len(os.sched_getaffinity(0)):
+            kwargs.setdefault("spin_us", OVERSUBSCRIBED_SPIN_US)
+            kwargs.setdefault("spin_yield", True)
         return cls(**kwargs)

@@ -1,6 +1,7 @@
 """Point-to-point: blocking and non-blocking, matching by (sender, tag, sequence), buffers, deadlines."""
 
 import contextlib
+import os
 import threading
 import time
 
@@ -523,3 +524,22 @@ def test_a_message_the_sender_writes_itself_does_not_wake_the_idle_writer_thread
         np.testing.assert_array_equal(b.recv(0, tag=tag, timeout=10), np.full(100, tag, np.float64))
     assert stream.bytes_sent - sent == 20 * 800
     assert wakes == []  # the writer thread sleeps through them: it has nothing to write
+
+
+@pytest.mark.parametrize("transport", ["shared-memory", "data-socket"])
+@pytest.mark.parametrize("spin_yield", [True, False])
+def test_a_spinning_receive_offers_its_core_between_looks_only_when_told(transport, spin_yield, monkeypatch):
+    options = transport_options(transport, timeout_s=10, spin_us=2000, spin_yield=spin_yield)
+    with ThreadCluster(2, options) as cluster:
+        a, b = p2p(cluster, 0), p2p(cluster, 1)
+        a.send(np.zeros(16), dst=1)  # opens the stream: its lane or data socket is in use from here on
+        b.recv(0)
+        wait_for(
+            lambda: (a.shared_memory_peers if transport == "shared-memory" else a.data_socket_peers) == [1], "path"
+        )
+        yields = []
+        monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+        with pytest.raises(CollectiveTimeoutError):
+            b.recv(0, tag=9, timeout=0.05)  # nothing comes: it spins 2 ms, then sleeps
+        monkeypatch.undo()
+        assert bool(yields) == spin_yield, len(yields)

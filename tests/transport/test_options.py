@@ -3,7 +3,7 @@ import os
 import pytest
 
 from elasticdl_strategy.errors import ConfigError
-from elasticdl_strategy.transport.options import MiB, TransportOptions
+from elasticdl_strategy.transport.options import OVERSUBSCRIBED_SPIN_US, MiB, TransportOptions
 
 
 @pytest.mark.parametrize(
@@ -35,9 +35,14 @@ def test_from_env_parses_and_rejects():
         TransportOptions.from_env({"EDL_TIMEOUT": "soon"})
 
 
-def test_callers_spin_on_lanes_only_while_the_host_has_a_core_per_worker():
+def test_callers_spin_yielding_their_core_only_where_the_hosts_workers_outnumber_its_cores():
     cores = len(os.sched_getaffinity(0))
-    assert TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores)}).spin_us == 200.0
-    assert TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1)}).spin_us == 0.0
-    assert TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1), "EDL_SPIN_US": "50"}).spin_us == 50.0
+    alone = TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores)})
+    assert (alone.spin_us, alone.spin_yield) == (200.0, False)
+    crowded = TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1)})
+    assert (crowded.spin_us, crowded.spin_yield) == (OVERSUBSCRIBED_SPIN_US, True)
+    told = TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1), "EDL_SPIN_US": "50", "EDL_SPIN_YIELD": "0"})
+    assert (told.spin_us, told.spin_yield) == (50.0, False)
+    with pytest.raises(ConfigError, match="EDL_SPIN_YIELD='yes' must be 0 or 1"):
+        TransportOptions.from_env({"EDL_SPIN_YIELD": "yes"})
     assert TransportOptions.from_env({"EDL_SHM_LANE_BYTES": "0"}).shm_lane_bytes == 0
