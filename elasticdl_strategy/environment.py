@@ -28,8 +28,8 @@ EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 
 EDL_SHM_LANE_BYTES         bytes of each arena's lane, for messages up to 3/4 of it
                            (default 16 MiB; 0: no lanes)
 EDL_SPIN_US                microseconds a caller polls a lane or data socket before
-                           it sleeps (default 200, 2000 where the host's workers
-                           outnumber its cores; 0: sleep at once)
+                           it sleeps (default 200; where the host's workers outnumber
+                           its cores 2000, or 0 with EDL_SPIN_YIELD=0; 0: sleep at once)
 EDL_SPIN_YIELD             1: a polling caller yields its core between looks (default 1
                            where the host's workers outnumber its cores, else 0)
 EDL_DATA_SOCKET            1 (default): streams not in shared memory move their

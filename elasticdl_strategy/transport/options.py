@@ -149,9 +149,10 @@ class TransportOptions:
         spin_us: how long a caller waiting for a message on a lane or data
             socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
-            environment (``EDL_SPIN_US`` unset): 200, or
-            :data:`OVERSUBSCRIBED_SPIN_US` when the workers of this host
-            (``EDL_LOCAL_SIZE``) outnumber its cores (with ``spin_yield``).
+            environment (``EDL_SPIN_US`` unset): 200, or where the workers of
+            this host (``EDL_LOCAL_SIZE``) outnumber its cores
+            :data:`OVERSUBSCRIBED_SPIN_US` with ``spin_yield`` and 0 without
+            (a spin that does not yield takes the core the peer needs).
         spin_yield: between two looks, a spinning caller offers its core to
             any other thread ready to run (``sched_yield``): where the host's
             workers outnumber its cores, the peer it waits for then runs
@@ -282,6 +283,6 @@ class TransportOptions:
                 except ValueError:
                     raise ConfigError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
         if _workers_on_host(env) > len(os.sched_getaffinity(0)):
-            kwargs.setdefault("spin_us", OVERSUBSCRIBED_SPIN_US)
-            kwargs.setdefault("spin_yield", True)
+            kwargs.setdefault("spin_yield", True)  # a spin that does not yield takes the core the peer needs
+            kwargs.setdefault("spin_us", OVERSUBSCRIBED_SPIN_US if kwargs["spin_yield"] else 0.0)
         return cls(**kwargs)

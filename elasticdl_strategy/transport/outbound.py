@@ -234,12 +234,15 @@ class OutboundStream:
             self._call.cancel()
             with self._cond:
                 self._raise_unless_open()  # PeerFailureError with the stream's first reason
+        except BaseException:  # interrupted (Ctrl-C) in the middle of a message: the stream cannot go on
+            self.fail("the sender was interrupted in the middle of a message")
+            raise
         with self._cond:
+            self.bytes_sent += len(payload)
             if self._in_flight is _A_CALLER_WRITES:
                 self._in_flight = None
                 if self._queue or self._state is not StreamState.OPEN:
                     self._cond.notify_all()  # the writer thread has work again (else it need not wake)
-        self.bytes_sent += len(payload)
         return True
 
     def submit(self, message: OutgoingMessage) -> None:

@@ -14,6 +14,7 @@ from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.auth import new_token
+from elasticdl_strategy.transport.byte_paths import DataSocketPath
 from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
@@ -491,17 +492,17 @@ def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when
 
     def receive():
         try:
-            b.recv(0, tag=6, out=np.zeros(1 << 20), timeout=30)
+            b.recv(0, tag=6, out=np.zeros(1 << 19), timeout=30)
         except Exception as e:  # noqa: BLE001 - the test looks at it
             outcome["error"] = e
 
-    sending = threading.Thread(target=lambda: a.isend(np.ones(1 << 20), dst=1, tag=6), daemon=True)
+    sending = threading.Thread(target=lambda: a.isend(np.ones(1 << 19), dst=1, tag=6), daemon=True)
     receiving = threading.Thread(target=receive, name="receiving", daemon=True)
     try:
         receiving.start()
         wait_for(lambda: b._sockets[0].socket._reader is not None, "the receive reading the socket")
         sending.start()
-        wait_for(lambda: readers == ["receiving"], "the receive reading the 8 MiB message itself")
+        wait_for(lambda: readers == ["receiving"], "the receive reading the 4 MiB message itself")
         b.peer_failed(0, "hung")
         receiving.join(timeout=5)
         assert not receiving.is_alive(), "the receive is still reading the hung sender's message"
@@ -543,3 +544,21 @@ def test_a_spinning_receive_offers_its_core_between_looks_only_when_told(transpo
             b.recv(0, tag=9, timeout=0.05)  # nothing comes: it spins 2 ms, then sleeps
         monkeypatch.undo()
         assert bool(yields) == spin_yield, len(yields)
+
+
+def test_a_sender_interrupted_in_the_middle_of_a_message_breaks_its_stream(socket_pair, monkeypatch):
+    _, a, b = socket_pair
+    write_raw = DataSocketPath.write_raw
+
+    def interrupted(self, header, payload, on_block=None):
+        write_raw(self, header, payload[: len(payload) // 2], on_block)  # half of it is on the wire
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DataSocketPath, "write_raw", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        a.isend(np.ones(1000), dst=1, tag=7)
+    monkeypatch.undo()
+    with pytest.raises(PeerFailureError, match="interrupted in the middle of a message"):
+        a.isend(np.ones(10), dst=1, tag=8)  # not written after half a message
+    with pytest.raises((PeerFailureError, CollectiveTimeoutError)):
+        b.recv(0, tag=7, timeout=5)  # the half message never completes a receive

@@ -13,7 +13,12 @@ import pytest
 from elasticdl_strategy.errors import DataSocketClosed, IncompleteStream
 from elasticdl_strategy.transport import frames
 from elasticdl_strategy.transport.data_socket import FrameSocket
-from elasticdl_strategy.transport.inbound import GrpcFrames, SocketFrames, receive_messages
+from elasticdl_strategy.transport.inbound import (
+    WAITING_THREAD_READS_AT_MOST,
+    GrpcFrames,
+    SocketFrames,
+    receive_messages,
+)
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import ReceiveArena, SendArena
 from tests.conditions import wait_for
@@ -197,6 +202,47 @@ def test_a_thread_waiting_for_messages_reads_them_itself_and_leaves_the_goodbye_
     assert outcome["goodbye"].reason == "done", outcome
     assert receiver.payloads() == sent
     assert receiver.delivered_by == [threading.current_thread().name] * 4
+
+
+def test_a_message_larger_than_a_waiting_thread_reads_is_left_to_the_server_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    big = bytes(WAITING_THREAD_READS_AT_MOST + 64)
+
+    def waiting():  # first called with the socket held
+        if not threads:
+            threads.append(threading.Thread(target=server.send, args=(0, big)))
+            threads[0].start()
+        return True
+
+    threads: List[threading.Thread] = []
+    assert not receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)  # left, not read
+    threads[0].join(timeout=10)
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+    assert receiver.payloads() == [big] and receiver.delivered_by == ["stream-server"]
+
+
+def test_a_waiting_thread_interrupted_in_the_middle_of_a_message_ends_the_stream():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    on_header = receiver.on_header
+
+    def interrupted(header):
+        on_header(header)
+        raise KeyboardInterrupt  # Ctrl-C while the payload is still on the socket
+
+    def waiting():  # first called with the socket held
+        if not sent:
+            sent.append(server.send(0, bytes(1000)))
+        return True
+
+    sent: list = []
+    receiver.on_header = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)
+    assert isinstance(server.finish().get("error"), DataSocketClosed)  # not the payload read as a frame
+    assert receiver.delivered_by == [threading.current_thread().name]
 
 
 def test_a_waiting_thread_reading_a_message_its_sender_stopped_in_the_middle_of_returns_at_shutdown():

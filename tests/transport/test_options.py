@@ -43,6 +43,8 @@ def test_callers_spin_yielding_their_core_only_where_the_hosts_workers_outnumber
     assert (crowded.spin_us, crowded.spin_yield) == (OVERSUBSCRIBED_SPIN_US, True)
     told = TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1), "EDL_SPIN_US": "50", "EDL_SPIN_YIELD": "0"})
     assert (told.spin_us, told.spin_yield) == (50.0, False)
+    no_yield = TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores + 1), "EDL_SPIN_YIELD": "0"})
+    assert (no_yield.spin_us, no_yield.spin_yield) == (0.0, False)  # sleeps at once, as a spin would hold the core
     with pytest.raises(ConfigError, match="EDL_SPIN_YIELD='yes' must be 0 or 1"):
         TransportOptions.from_env({"EDL_SPIN_YIELD": "yes"})
     assert TransportOptions.from_env({"EDL_SHM_LANE_BYTES": "0"}).shm_lane_bytes == 0
