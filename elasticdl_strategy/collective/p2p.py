@@ -318,9 +318,15 @@ class PointToPoint:
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 
     def _let_stream_threads_read(self) -> None:
-        for inbound in list(self._sockets.values()):
-            if inbound.socket is not None:
-                inbound.socket.hand_to_server()
+        for src in list(self._sockets):
+            socket = self._socket_of(src)
+            if socket is not None:
+                socket.hand_to_server()
+
+    def _socket_of(self, src: int) -> Optional[SocketFrames]:
+        """The data socket the stream from ``src`` reads, if it moved to one."""
+        inbound = self._sockets.get(src)
+        return inbound.socket if inbound is not None else None
 
     def send(self, array: np.ndarray, dst: int, tag: int = 0, timeout: Optional[float] = None) -> None:
         """Sends ``array`` to ``dst`` and returns once it has been handed to the transport."""
@@ -519,9 +525,9 @@ class PointToPoint:
             inbound.read_lane()
 
     def _wake_socket_reader(self, src: int, _future: futures.Future) -> None:
-        inbound = self._sockets.get(src)
-        if inbound is not None and inbound.socket is not None:
-            inbound.socket.wake_reader()
+        socket = self._socket_of(src)
+        if socket is not None:
+            socket.wake_reader()
 
     # ---- the StreamListener side, called by the worker server -----------------------------
 
@@ -549,9 +555,9 @@ class PointToPoint:
             stream = self._streams.get(peer)
             if stream is not None:  # sends to it fail now, not when that connection notices
                 stream.fail(reason)
-            inbound = self._sockets.get(peer)
-            if inbound is not None and inbound.socket is not None:  # a hung sender may stop mid-message
-                inbound.socket.shutdown()
+            socket = self._socket_of(peer)
+            if socket is not None:  # a hung sender may stop mid-message
+                socket.shutdown()
         self.mailbox.fail_source(peer, lambda: self._peer_error(peer))
         if self.failure_observer is not None:
             self.failure_observer(peer, reason, clean)

@@ -441,23 +441,31 @@ def socket_pair():
     cluster.close()
 
 
-def test_over_a_data_socket_the_sender_writes_and_the_waiting_receiver_reads_in_their_own_threads(
-    socket_pair, monkeypatch
-):
-    _, a, b = socket_pair
-    writers, readers = [], []
-    send_frame, on_header = FrameSocket.send_frame, _InboundStream.on_header
-
-    def recorded_send_frame(self, *args):
-        writers.append(threading.current_thread().name)
-        return send_frame(self, *args)
+def _threads_reading_headers(monkeypatch) -> list:
+    """The names of the threads that read each message header from now on, in order."""
+    readers = []
+    on_header = _InboundStream.on_header
 
     def recorded_on_header(self, header):
         readers.append(threading.current_thread().name)
         return on_header(self, header)
 
-    monkeypatch.setattr(FrameSocket, "send_frame", recorded_send_frame)
     monkeypatch.setattr(_InboundStream, "on_header", recorded_on_header)
+    return readers
+
+
+def test_over_a_data_socket_the_sender_writes_and_the_waiting_receiver_reads_in_their_own_threads(
+    socket_pair, monkeypatch
+):
+    _, a, b = socket_pair
+    writers, readers = [], _threads_reading_headers(monkeypatch)
+    send_frame = FrameSocket.send_frame
+
+    def recorded_send_frame(self, *args):
+        writers.append(threading.current_thread().name)
+        return send_frame(self, *args)
+
+    monkeypatch.setattr(FrameSocket, "send_frame", recorded_send_frame)
     received = {}
     receiving = threading.Thread(target=lambda: received.update(array=b.recv(0, tag=5, timeout=10)), name="receiving")
     receiving.start()
@@ -475,19 +483,14 @@ def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when
 ):
     _, a, b = socket_pair
     resume = threading.Event()
-    send_frame, on_header = FrameSocket.send_frame, _InboundStream.on_header
-    readers = []
+    send_frame = FrameSocket.send_frame
+    readers = _threads_reading_headers(monkeypatch)
 
     def hanging_send_frame(self, frame, payload=None, on_block=None):  # a quarter of the payload, then it hangs
         send_frame(self, frame, payload[: len(payload) // 4], on_block)
         resume.wait(30)
 
-    def recorded_on_header(self, header):
-        readers.append(threading.current_thread().name)
-        return on_header(self, header)
-
     monkeypatch.setattr(FrameSocket, "send_frame", hanging_send_frame)
-    monkeypatch.setattr(_InboundStream, "on_header", recorded_on_header)
     outcome = {}
 
     def receive():
