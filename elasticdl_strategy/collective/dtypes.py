@@ -66,6 +66,19 @@ def as_supported_array(array) -> np.ndarray:
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of the C-contiguous ``array`` as a flat memoryview of format "B" (no copy).
+
+    Example::
+
+        byte_view(np.ones(2, np.float32)).nbytes  # 8
+    """
+    try:
+        return memoryview(array).cast("B")  # type: ignore[arg-type]  # 4x faster than numpy's reshape and view
+    except (TypeError, ValueError):  # empty, or a dtype without a buffer format (bfloat16)
+        return array.reshape(-1).view(np.uint8).data
+
+
 def check_reduce_op(op: str, dtype: np.dtype) -> Callable:
     """Returns the ufunc of reduction ``op`` for ``dtype``.
 

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from elasticdl_strategy.collective.dtypes import dtype_from_name
+from elasticdl_strategy.collective.dtypes import byte_view, dtype_from_name
 from elasticdl_strategy.errors import CollectiveMismatchError, CommunicationError
 from elasticdl_strategy.transport.protos import peer_pb2
 
@@ -61,7 +61,7 @@ class ArraySink(Sink):
     def __init__(self, rank: int, out: Optional[np.ndarray] = None):
         self._rank = rank
         self._out = out
-        self._bytes: Optional[np.ndarray] = None
+        self._bytes: Optional[memoryview] = None
 
     def begin(self, src: int, header: peer_pb2.MessageHeader) -> None:
         if self._out is None:
@@ -74,13 +74,13 @@ class ArraySink(Sink):
                 ranks=(src, self._rank),
                 rank=self._rank,
             )
-        self._bytes = self._out.reshape(-1).view(np.uint8)
+        self._bytes = byte_view(self._out)
 
     def write(self, offset: int, data: memoryview) -> None:
-        self._started().data[offset : offset + len(data)] = memoryview(data).cast("B")
+        self._started()[offset : offset + len(data)] = memoryview(data).cast("B")
 
     def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
-        return self._started()[offset : offset + nbytes].data
+        return self._started()[offset : offset + nbytes]
 
     def result(self) -> np.ndarray:
         assert self._out is not None, "a receive completes after its header"
@@ -90,7 +90,7 @@ class ArraySink(Sink):
     def expected_nbytes(self) -> Optional[int]:
         return self._out.nbytes if self._out is not None else None
 
-    def _started(self) -> np.ndarray:
+    def _started(self) -> memoryview:
         assert self._bytes is not None, "bytes arrive after the header (begin)"
         return self._bytes
 

@@ -10,6 +10,7 @@ are built on, and is exposed to users as ``runtime.send`` / ``recv`` /
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -22,7 +23,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from elasticdl_strategy.collective.dtypes import as_supported_array, dtype_name
+from elasticdl_strategy.collective.dtypes import as_supported_array, byte_view, dtype_name
 from elasticdl_strategy.collective.mailbox import ArraySink, Key, Mailbox, Sink
 from elasticdl_strategy.errors import (
     CollectiveTimeoutError,
@@ -99,7 +100,8 @@ class Request:
 
     def succeeded(self) -> bool:
         """True once the operation completed without an error (a send into a lane, in ``isend``)."""
-        return self._future.done() and self._future.exception(0) is None
+        future = self._future
+        return future is _DONE or (future.done() and future.exception(0) is None)
 
     def wait(self, timeout: Optional[float] = None):
         """Waits for completion and returns the received array (``None`` for a send).
@@ -146,23 +148,35 @@ def _describe_receive(src: int, tag: int) -> str:
     return f"receive from rank {src} (tag {tag})"
 
 
-class _LaneReceive(Request):
-    """A receive whose message may come by the sender's lane: the waiting caller reads the lane
-    itself and copies the message straight into the receive's buffer (no mailbox entry, no
-    future, no other thread). Only if it does not come that way within ``spin_us`` (or the
-    caller asks :meth:`done` first) is the receive posted to the mailbox, and waited for as any.
+class _DirectReceive(Request):
+    """A receive whose message may come by the sender's lane or data socket: the waiting caller
+    reads the lane (or the socket) itself and puts the message straight into the receive's
+    buffer (no mailbox entry, no future, no other thread). Only if it does not come that way
+    within ``spin_us`` (or the caller asks :meth:`done` first) is the receive posted to the
+    mailbox, and waited for as any.
     """
 
-    def __init__(self, p2p: "PointToPoint", key: Key, sink: Sink, describe: Callable[[], str]):
+    def __init__(
+        self,
+        p2p: "PointToPoint",
+        key: Key,
+        sink: Sink,
+        describe: Callable[[], str],
+        take: Callable[[Key, Sink, float], bool],
+    ):
         super().__init__(_DONE, describe, key[0], p2p.options.timeout_s, p2p.rank)
         self._p2p = p2p
         self._key: Optional[Key] = key  # reserved, not posted; None once posted or taken
         self._sink = sink
-        self._taken = False  # the message came from the lane: the sink holds the result
+        self._take = take  # PointToPoint._take_from_lane or _take_from_socket
+        self._taken = False  # the message came that way: the sink holds the result
 
     def done(self) -> bool:
         self._post()
         return super().done()
+
+    def succeeded(self) -> bool:
+        return self._key is None and super().succeeded()  # a reserved receive has received nothing yet
 
     def wait(self, timeout: Optional[float] = None):
         if self._taken:
@@ -172,7 +186,7 @@ class _LaneReceive(Request):
         if key is not None:
             started = time.monotonic()
             try:
-                if self._p2p._take_from_lane(key, self._sink, timeout):
+                if self._take(key, self._sink, timeout):
                     self._taken = True
                     return self._sink.result()
             except CommunicationError as e:  # the message was taken, and did not fit: it stays the answer
@@ -282,7 +296,7 @@ class PointToPoint:
         """
         array = as_supported_array(array)
         self._check_peer(dst, "send to")
-        payload = array.reshape(-1).view(np.uint8)
+        payload = byte_view(array)
         with self._lock:
             seq_key = (dst, channel, tag)
             sequence = self._send_sequence.get(seq_key, 0)
@@ -302,18 +316,17 @@ class PointToPoint:
         describe = lambda: f"send to rank {dst} (tag {tag})"  # noqa: E731
         if dst == self.rank:
             return self._send_to_self(header, payload, describe)
-        view = payload.data
         stream = self._stream_to(dst)
-        if stream.try_lane(header, view):  # copied into the peer's lane: done
+        if stream.try_lane(header, payload):  # copied into the peer's lane: done
             self.lane_messages_sent += 1
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
         # While this thread waits to write, peers may wait to write to us: let our stream threads read.
-        if stream.try_socket(header, view, self._let_stream_threads_read):
+        if stream.try_socket(header, payload, self._let_stream_threads_read):
             return Request(_DONE, describe, dst, self.options.timeout_s, self.rank)
         inline = payload.nbytes <= self.options.inline_threshold
         if inline:
             header.inline_data = payload.tobytes()
-        message = OutgoingMessage(header, view[:0] if inline else view, header.chunk_size)
+        message = OutgoingMessage(header, payload[:0] if inline else payload, header.chunk_size)
         stream.submit(message)
         return Request(message.future, describe, dst, self.options.timeout_s, self.rank)
 
@@ -332,7 +345,7 @@ class PointToPoint:
         """Sends ``array`` to ``dst`` and returns once it has been handed to the transport."""
         self.isend(array, dst, tag).wait(timeout)
 
-    def _send_to_self(self, header, payload: np.ndarray, describe) -> Request:
+    def _send_to_self(self, header, payload: memoryview, describe) -> Request:
         writer = self.mailbox.deliver(self.rank, header)
         writer.write(0, memoryview(payload.tobytes()))
         writer.finish()
@@ -383,10 +396,11 @@ class PointToPoint:
             raise UsageError("out must be a C-contiguous numpy array")
         sink = sink or ArraySink(self.rank, out)
         describe = functools.partial(_describe_receive, src, tag)
-        if src in self._lanes and self._fits_lane(sink):
+        take = self._direct_take(src, sink)
+        if take is not None:
             key = self.mailbox.reserve(src, channel, tag)
             if key is not None:
-                return _LaneReceive(self, key, sink, describe)
+                return _DirectReceive(self, key, sink, describe, take)
         self._read_lane_of(src)  # what already arrived in its lane, before the receive is posted
         future, key = self.mailbox.post(src, channel, tag, sink)
         progress = poll = None
@@ -423,6 +437,23 @@ class PointToPoint:
         if expected is not None and expected > lanes.max_message_bytes(self.options.shm_lane_bytes):
             return 0.0
         return self.options.spin_us * 1e-6
+
+    def _direct_take(self, src: int, sink: Sink) -> Optional[Callable[[Key, Sink, float], bool]]:
+        """How a waiting caller may take the message ``sink`` takes from ``src`` itself: from its lane
+        if it fits one, from its data socket where there is no lane; None: through the mailbox."""
+        if src in self._lanes:
+            return self._take_from_lane if self._fits_lane(sink) else None
+        if src in self._sockets and self.options.spin_us > 0:
+            return self._take_from_socket
+        return None
+
+    def _take_from_socket(self, key: Key, sink: Sink, timeout: float) -> bool:
+        """Reads ``key``'s sender's data socket in this thread until the message ``key`` comes out of
+        it (written into ``sink``: True), for at most ``spin_us`` (and ``timeout``); False when it has
+        not come by then or came another way: then the receive is posted."""
+        inbound = self._sockets.get(key[0])
+        seconds = min(timeout, self.options.spin_us * 1e-6)
+        return inbound is not None and inbound.take_from_socket(key, sink, seconds, self.options.spin_yield)
 
     def _take_from_lane(self, key: Key, sink: Sink, timeout: float) -> bool:
         """Reads the lane of ``key``'s sender in this thread until the message ``key`` comes out of it
@@ -687,6 +718,58 @@ class _Pieces:
     nbytes: int
 
 
+class _Taking(enum.Enum):
+    WAITING = "waiting"  # for its header
+    READING = "reading"  # its payload, into the sink
+    TAKEN = "taken"  # all of it, into the sink
+    PASSED = "passed"  # to the mailbox: the posted receive gets it (or its error)
+
+
+class _AwaitedOnSocket:
+    """The message a thread reading a data socket waits for (a MessageWriter into its sink once its
+    header came and fits)."""
+
+    __slots__ = ("key", "sink", "state", "_mailbox", "_nbytes")
+
+    def __init__(self, key: Key, sink: Sink, mailbox: Mailbox):
+        self.key = key
+        self.sink = sink
+        self.state = _Taking.WAITING
+        self._mailbox = mailbox
+        self._nbytes = 0
+
+    def waiting(self) -> bool:
+        return self.state is _Taking.WAITING
+
+    def takes(self, src: int, header: peer_pb2.MessageHeader) -> bool:
+        """Whether the message of ``header`` is the awaited one and goes into the sink (its payload
+        next); one that does not fit, or on an aborted channel, goes to the mailbox."""
+        if self.state is not _Taking.WAITING or (src, header.channel, header.tag, header.sequence) != self.key:
+            return False
+        self.state = _Taking.PASSED
+        if self._mailbox.channel_failed(header.channel):
+            return False
+        try:
+            self.sink.begin(src, header)
+        except CommunicationError:  # the mailbox fails the posted receive with it
+            return False
+        self.state, self._nbytes = _Taking.READING, header.nbytes
+        return True
+
+    def write(self, offset: int, data: memoryview, borrowed: bool = False) -> None:
+        self.sink.write(offset, data)
+
+    def target(self, offset: int, nbytes: int) -> Optional[memoryview]:
+        return self.sink.target(offset, nbytes)
+
+    def target_done(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.state = _Taking.TAKEN
+        self._mailbox.count(self._nbytes)
+
+
 class _InboundStream:
     """Receives one peer's stream into the mailbox (StreamReceiver protocol), and its lane when
     the stream has one: read by whichever thread waits for a message from that peer."""
@@ -698,12 +781,34 @@ class _InboundStream:
         self.lane: Optional[ReceiveLane] = None
         self._lane_lock = threading.Lock()  # one reader at a time; guards the lane and _pieces
         self._pieces: Optional[_Pieces] = None  # the message whose pieces are being read from the lane
+        self._awaited: Dict[int, _AwaitedOnSocket] = {}  # by thread: what it reads the data socket for
 
     def on_header(self, header: peer_pb2.MessageHeader):
         p2p = self._p2p
         if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
             p2p.header_observer(self._src, header.collective)
+        awaited = self._awaited.get(threading.get_ident()) if self._awaited else None
+        if awaited is not None and awaited.takes(self._src, header):
+            return awaited
         return p2p.mailbox.deliver(self._src, header)
+
+    def take_from_socket(self, key: Key, sink: Sink, seconds: float, spin_yield: bool) -> bool:
+        """Reads the data socket in this thread for up to ``seconds`` (spinning, never asleep) until
+        the message ``key`` came, straight into ``sink`` (True); delivers every other message to
+        the mailbox. False when it has not come by then, went to the mailbox (it does not fit
+        ``sink``, or the collectives aborted: the posted receive then fails with the reason),
+        another thread reads the socket, or the stream has no socket."""
+        socket = self.socket
+        if socket is None or seconds <= 0:
+            return False
+        awaited = _AwaitedOnSocket(key, sink, self._p2p.mailbox)
+        me = threading.get_ident()
+        self._awaited[me] = awaited
+        try:
+            socket.read_while(self, awaited.waiting, time.monotonic() + seconds, seconds, spin_yield)
+        finally:
+            del self._awaited[me]
+        return awaited.state is _Taking.TAKEN
 
     def attach_lane(self, lane: ReceiveLane) -> None:
         self.lane = lane

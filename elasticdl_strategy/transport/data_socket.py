@@ -106,7 +106,8 @@ class FrameSocket:
                     if sent < len(part):
                         on_block()
                         on_block = None
-                self._sock.sendall(memoryview(part)[sent:])
+                if sent < len(part):  # sendall of nothing still makes a system call
+                    self._sock.sendall(memoryview(part)[sent:])
         except OSError as e:
             raise DataSocketClosed(f"writing to the data socket failed: {e}") from None
 

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from elasticdl_strategy.collective.mailbox import ReduceSink
-from elasticdl_strategy.collective.p2p import PointToPoint, _InboundStream
+from elasticdl_strategy.collective.mailbox import Mailbox, ReduceSink
+from elasticdl_strategy.collective.p2p import PointToPoint, _AwaitedOnSocket, _InboundStream
 from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport import lanes
@@ -514,6 +514,73 @@ def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when
         resume.set()
         sending.join(timeout=10)
         receiving.join(timeout=10)
+
+
+def _sent_while_the_receive_reads(monkeypatch, send) -> None:
+    """Makes the next receive that reads a data socket itself wait for its message up to 30 s
+    (however slow the machine) and call ``send()`` once it holds the socket (so that no other
+    thread reads what is sent)."""
+    take_from_socket = _InboundStream.take_from_socket
+    monkeypatch.setattr(
+        _InboundStream,
+        "take_from_socket",
+        lambda self, key, sink, seconds, spin: take_from_socket(self, key, sink, 30.0, spin),
+    )
+    waiting, sent = _AwaitedOnSocket.waiting, []
+
+    def sending_once(self):
+        if not sent:
+            sent.append(send())
+        return waiting(self)
+
+    monkeypatch.setattr(_AwaitedOnSocket, "waiting", sending_once)
+
+
+def _recorded(monkeypatch, cls, name: str) -> list:
+    """The tags of the message headers (``deliver``) or keys (``post_reserved``) passed to ``cls.name``."""
+    calls, method = [], getattr(cls, name)
+
+    def recording(self, first, second, *rest):
+        calls.append(second.tag if name == "deliver" else first[2])
+        return method(self, first, second, *rest)
+
+    monkeypatch.setattr(cls, name, recording)
+    return calls
+
+
+def test_a_receive_from_a_data_socket_is_read_by_the_waiting_caller_straight_into_its_buffer(socket_pair, monkeypatch):
+    _, a, b = socket_pair
+    _sent_while_the_receive_reads(
+        monkeypatch, lambda: (a.isend(np.full(4, 7.0), 1, tag=7), a.isend(np.arange(9.0), 1, tag=8))
+    )
+    delivered, posted = _recorded(monkeypatch, Mailbox, "deliver"), _recorded(monkeypatch, Mailbox, "post_reserved")
+    out = np.zeros(9)
+    received = b.irecv(0, tag=8, out=out)
+    assert not received.succeeded()  # nothing received before it is waited for
+    assert received.wait(timeout=10) is out and received.succeeded()
+    np.testing.assert_array_equal(out, np.arange(9.0))
+    assert delivered == [7] and posted == []  # the other message to the mailbox, this one straight in
+    monkeypatch.undo()
+    np.testing.assert_array_equal(b.recv(0, tag=7, timeout=10), np.full(4, 7.0))
+
+
+def test_a_message_on_a_data_socket_that_does_not_fit_the_waiting_receive_fails_it_and_the_stream_goes_on(
+    socket_pair, monkeypatch
+):
+    _, a, b = socket_pair
+    _sent_while_the_receive_reads(monkeypatch, lambda: (a.isend(np.zeros(5), 1, tag=3), a.isend(np.ones(4), 1, tag=3)))
+    with pytest.raises(CollectiveMismatchError, match="40 bytes"):
+        b.recv(0, tag=3, out=np.zeros(4), timeout=10)
+    np.testing.assert_array_equal(b.recv(0, tag=3, out=np.zeros(4), timeout=10), np.ones(4))
+
+
+def test_a_receive_that_may_come_by_a_lane_has_not_succeeded_before_its_message_came(shm_pair):
+    _, a, b = shm_pair
+    received = b.irecv(0, tag=12, out=np.zeros(3))
+    assert not received.succeeded() and not received.done()
+    a.send(np.ones(3), dst=1, tag=12)
+    received.wait(timeout=10)
+    assert received.succeeded()
 
 
 def test_a_message_the_sender_writes_itself_does_not_wake_the_idle_writer_thread(socket_pair):

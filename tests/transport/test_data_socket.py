@@ -90,6 +90,38 @@ def test_a_write_that_must_wait_for_room_says_so_first_and_one_that_fits_does_no
         receiver.close()
 
 
+class _CountingSocket:
+    """A socket that counts the writes made through it (each one a system call)."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self.writes = 0
+
+    def send(self, data, flags=0):
+        self.writes += 1
+        return self._sock.send(data, flags)
+
+    def sendall(self, data):
+        self.writes += 1
+        return self._sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_small_message_that_fits_the_buffers_takes_one_write():
+    sender, receiver = (data_socket.FrameSocket(s, MAX_FRAME) for s in socket.socketpair())
+    counting = sender._sock = _CountingSocket(sender._sock)
+    try:
+        sender.send_frame(b"header", memoryview(b"payload"), on_block=lambda: None)
+        assert counting.writes == 1
+        assert receiver.recv_frame() == b"header"
+    finally:
+        sender._sock = counting._sock
+        sender.close()
+        receiver.close()
+
+
 def test_a_connection_without_a_valid_ticket_is_closed_and_changes_nothing(listener):
     ticket = listener.expect()
     for first_bytes in (secrets.token_bytes(TICKET_BYTES), ticket[:-1]):  # wrong, and too short then EOF
