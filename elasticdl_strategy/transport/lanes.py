@@ -179,6 +179,10 @@ class SendLane(_Lane):
                 self._position = consumed = self._lap_after(self._position)
             if self._end_after(sizes) - consumed > self.capacity:
                 return False
+            if len(sizes) == 1:  # the usual case, without the pieces' slicing
+                self._write_record(sizes[0], header, payload)
+                self.ring()
+                return True
             offset = 0
             for index, size in enumerate(sizes):
                 first = index == 0
