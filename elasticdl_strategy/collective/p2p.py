@@ -743,7 +743,8 @@ class _AwaitedOnSocket:
         self._nbytes = 0
 
     def waiting(self) -> bool:
-        return self.state is _Taking.WAITING
+        """Whether the message has not come yet: neither here nor (read by another thread) to the mailbox."""
+        return self.state is _Taking.WAITING and not self._mailbox.arrived(self.key)
 
     def takes(self, src: int, header: peer_pb2.MessageHeader) -> bool:
         """Whether the message of ``header`` is the awaited one and goes into the sink (its payload

@@ -517,16 +517,21 @@ def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when
 
 
 def _sent_while_the_receive_reads(monkeypatch, send) -> None:
-    """Makes the next receive that reads a data socket itself wait for its message up to 30 s
-    (however slow the machine) and call ``send()`` once it holds the socket (so that no other
-    thread reads what is sent)."""
-    take_from_socket = _InboundStream.take_from_socket
-    monkeypatch.setattr(
-        _InboundStream,
-        "take_from_socket",
-        lambda self, key, sink, seconds, spin: take_from_socket(self, key, sink, 30.0, spin),
-    )
-    waiting, sent = _AwaitedOnSocket.waiting, []
+    """Makes the next receive that reads a data socket itself call ``send()`` once it holds the
+    socket (so that no other thread reads what is sent: until then it tries again, as the stream's
+    thread may hold the socket a moment), and wait for its message up to 30 s, however slow the
+    machine."""
+    take_from_socket, sent = _InboundStream.take_from_socket, []
+
+    def taking_until_sent(self, key, sink, seconds, spin):
+        give_up = time.monotonic() + 30
+        while True:
+            taken = take_from_socket(self, key, sink, 30.0, spin)
+            if sent or time.monotonic() > give_up:
+                return taken
+
+    monkeypatch.setattr(_InboundStream, "take_from_socket", taking_until_sent)
+    waiting = _AwaitedOnSocket.waiting
 
     def sending_once(self):
         if not sent:
