@@ -324,6 +324,8 @@ class OutboundStream:
         shared = self._shared()
         if shared is not None:
             shared.stop()
+        if self._arena is not None:
+            self._arena.release_mark()
         for message in pending:
             error = PeerFailureError(
                 f"rank {self._self_rank} could not send to rank {self._peer_rank}: {cause}",
@@ -379,6 +381,8 @@ class OutboundStream:
             if self._state is StreamState.BROKEN:
                 return
             path = self._path or GrpcPath()
+        if self._arena is not None:
+            self._arena.release_mark()  # first: the peer must not take this clean end for a death
         try:
             yield from path.goodbye(self._goodbye)
         except DataSocketClosed as e:
@@ -428,6 +432,7 @@ class OutboundStream:
                 return
             if shared is None:
                 if self._arena is not None:
+                    self._arena.release_mark()  # nobody watches it
                     logger.debug(
                         "rank %d -> rank %d: no shared memory (%s)",
                         self._self_rank,

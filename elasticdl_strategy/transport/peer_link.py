@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from typing import Iterator, Optional, Protocol
+from typing import Iterator, List, Optional, Protocol
 
 import grpc
 
@@ -94,7 +94,8 @@ class PeerService:
             receiver = self._listener.open_stream(first.hello)
         except (StopIteration, ValueError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stream rejected: {e}")
-        hello, arena, ticket, answer = first.hello, None, None, None
+        hello, arena, ticket, answer, watch = first.hello, None, None, None, None
+        died: List[str] = []
         if hello.HasField("shared_memory") or hello.data_socket:
             answer = peer_pb2.TransferReply()
             if hello.HasField("shared_memory"):
@@ -103,6 +104,7 @@ class PeerService:
                 attach_lane = getattr(receiver, "attach_lane", None)  # receivers that read lanes have it
                 if arena is not None and arena.lane is not None and attach_lane is not None:
                     attach_lane(arena.lane)
+                    watch = arena.watch_sender(lambda: _ended_by_death(died, context))
             if hello.data_socket and self._data_sockets is not None:
                 ticket = self._data_sockets.expect(source=grpc_peer_host(context.peer()))
                 answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket
@@ -115,13 +117,15 @@ class PeerService:
             goodbye = yield from receive_messages(source, receiver, arena)
             error = None
         except (grpc.RpcError, DataSocketClosed):
-            error = "the connection broke (the sender died or the network failed)"
+            error = died[0] if died else "the connection broke (the sender died or the network failed)"
         except IncompleteStream:
             pass
         except Exception as e:  # a bug or a corrupt frame: the stream cannot continue
             logger.exception("receiving stream failed")
             error = f"receiving failed: {e!r}"
         finally:
+            if watch is not None:
+                watch.stop()
             receiver.on_closed(error, goodbye)
             if arena is not None:
                 arena.close()
@@ -141,6 +145,12 @@ class PeerService:
         if not context.add_callback(data_socket.shutdown):
             data_socket.shutdown()  # the call has already ended
         return data_socket
+
+
+def _ended_by_death(died: List[str], context) -> None:
+    """The sender's life mark says it died: the stream ends now, with that reason."""
+    died.append("its process ended (its threads exited without closing the stream)")
+    context.cancel()
 
 
 def send_abort(channel: grpc.Channel, token: str, request: peer_pb2.AbortRequest, timeout: float) -> futures.Future:

@@ -15,6 +15,10 @@ messages skip the frames and the transport's threads altogether: the arena
 also holds a *lane* (:mod:`.lanes`) that the sending and the receiving
 callers write and read themselves.
 
+A sender also holds a life mark in the arena's first page (:mod:`.life_marks`),
+which the receiver watches: a sender that dies is seen dead at once, tens of
+milliseconds before its connections close.
+
 Both sides unlink the file as soon as the receiver has mapped it (or refused
 it), so the memory goes away with the last process that maps it, even when a
 worker is killed. Only a sender killed in the milliseconds between creating an
@@ -31,11 +35,11 @@ import os
 import re
 import secrets
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from elasticdl_strategy.transport import lanes
+from elasticdl_strategy.transport import lanes, life_marks
 from elasticdl_strategy.transport.lanes import ReceiveLane, SendLane
 from elasticdl_strategy.transport.protos import peer_pb2
 
@@ -46,6 +50,8 @@ _NAME_PATTERN = re.compile(r"edl-arena-[0-9]+-[0-9a-f]{16}")
 _NONCE_BYTES = 16
 # Slots start on a page boundary after the nonce, so chunks are aligned for any dtype.
 _HEADER_BYTES = mmap.PAGESIZE
+# In the first page, after the nonce and the lane's words (.lanes, up to byte 328).
+_LIFE_MARK_OFFSET = 512
 MAX_SLOTS = 1024
 MAX_SLOT_SIZE = 64 << 20
 # An arena still named after this long was abandoned: offers are answered (and the file
@@ -124,6 +130,17 @@ class SendArena:
         first = _HEADER_BYTES + lane_bytes
         self._slots = [np.frombuffer(self._map, np.uint8, slot_size, first + i * slot_size) for i in range(slots)]
         self.lane = SendLane(self._map, _HEADER_BYTES, lane_bytes) if lane_bytes else None
+        self._mark: Optional[life_marks.HeldMark] = None
+        if lane_bytes and life_marks.AVAILABLE:  # only a lane's reader maps the arena writable, to watch it
+            try:
+                self._mark = life_marks.hold(self._map, _LIFE_MARK_OFFSET)
+            except OSError as e:  # its peers then see its death when its connections close
+                logger.warning("arena %s without a life mark: %s", self.name, e)
+
+    def release_mark(self) -> None:
+        """Lets go of the life mark: the stream ends on purpose (before its goodbye) or has ended."""
+        if self._mark is not None:
+            self._mark.release()
 
     def offer(self) -> peer_pb2.SharedMemoryOffer:
         return peer_pb2.SharedMemoryOffer(
@@ -200,6 +217,13 @@ class ReceiveArena:
             raise ValueError(f"shared chunk (slot {chunk.slot}, {chunk.nbytes} bytes) is outside the arena")
         start = self._first_slot + chunk.slot * self.slot_size
         return memoryview(self._map)[start : start + chunk.nbytes]
+
+    def watch_sender(self, on_death: Callable[[], None]) -> Optional[life_marks.Watch]:
+        """Calls ``on_death()`` as soon as the sender dies (:mod:`.life_marks`), until the watch is
+        stopped; None where the arena cannot be watched (no lane: mapped read-only)."""
+        if self.lane is None or not life_marks.AVAILABLE:
+            return None
+        return life_marks.watch(self._map, _LIFE_MARK_OFFSET, on_death)
 
     def consumed(self, slot: int) -> List[int]:
         """Records that ``slot`` was read; returns the slots to hand back now (empty until a batch is full)."""

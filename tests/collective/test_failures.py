@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.errors import PeerFailureError
+from elasticdl_strategy.transport import life_marks
 from tests.cluster import ThreadCluster
 from tests.launch import TRANSPORTS, read_reports, run_job, transport_env, worker_script
 
@@ -37,6 +38,21 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         assert transport == "grpc" or streams and streams <= others, outcome
         assert outcome["shared_memory_peers"] == (sorted(streams) if transport == "shared-memory" else []), outcome
         assert outcome["data_socket_peers"] == (sorted(streams) if transport != "grpc" else []), outcome
+
+
+@pytest.mark.skipif(not life_marks.AVAILABLE, reason="life marks need Linux, glibc and x86-64")
+def test_a_killed_same_host_peer_is_seen_dead_by_its_life_mark_before_its_connections_close(tmp_path):
+    job = run_job(
+        2,
+        [sys.executable, worker_script("peer_killed.py"), str(tmp_path), "kill-large"],
+        timeout=90,
+        env=transport_env("shared-memory"),
+    )
+    victim = json.loads((tmp_path / "victim.json").read_text())
+    assert "was killed by signal 9" in job.stderr
+    for outcome in _survivors(tmp_path, 2, victim):
+        assert outcome["error"] == "PeerFailureError", outcome
+        assert "its process ended" in outcome["message"], outcome  # not "the connection broke"
 
 
 def test_hung_peer_is_declared_dead_by_the_coordinator_and_survivors_raise(tmp_path):

@@ -166,3 +166,24 @@ def test_creating_an_arena_removes_arenas_abandoned_long_ago_and_nothing_else(tm
     left = sorted(os.listdir(tmp_path))
     assert stale not in left and fresh in left and other in left and arena.name in left
     arena.unlink()
+
+
+def test_a_stream_closed_on_purpose_lets_go_of_its_life_mark_before_its_goodbye(tmp_path, monkeypatch):
+    from elasticdl_strategy.transport import byte_paths, life_marks
+
+    if not life_marks.AVAILABLE:
+        pytest.skip("life marks need Linux, glibc and x86-64")
+    released_at_goodbye = []
+    goodbye = byte_paths.DataSocketPath.goodbye
+
+    def recording_goodbye(self, message):  # what the peer's watcher sees when the goodbye goes out
+        released_at_goodbye.append(self.shared.arena._mark._released.is_set())
+        yield from goodbye(self, message)
+
+    monkeypatch.setattr(byte_paths.DataSocketPath, "goodbye", recording_goodbye)
+    with ThreadCluster(2, _options(tmp_path, shm_lane_bytes=1 << 20)) as cluster:
+        _allreduce_on(cluster, lambda r: np.full(1000, r, np.float32))
+        leaver = cluster.communicators[1]
+        assert leaver.p2p.shared_memory_peers == [0]
+        leaver.close(timeout=5.0)
+    assert released_at_goodbye and all(released_at_goodbye), released_at_goodbye

@@ -1,4 +1,5 @@
-"""Worker of test_failures.py: the last rank SIGKILLs (or SIGSTOPs) itself during a stream of all-reduces.
+"""Worker of test_failures.py: the last rank SIGKILLs (or SIGSTOPs) itself during a stream of all-reduces
+(``kill-large``: SIGKILL with 2 GiB resident, whose teardown keeps its sockets open ~0.1 s longer).
 
 Survivors write ``{results_dir}/rank{r}.json`` with the error they got and when.
 """
@@ -23,6 +24,7 @@ def main(results_dir: str, how: str) -> None:
     if rank == victim:
         for _ in range(20):
             runtime.allreduce(np.ones(1 << 16, np.float32))
+        ballast = np.ones(2 << 30, np.uint8) if how == "kill-large" else None  # noqa: F841 - resident until the kill
         with open(os.path.join(results_dir, "victim.json"), "w") as f:
             json.dump({"rank": rank, "killed_at": time.time()}, f)
         # SIGSTOP: a hung peer whose sockets stay open; only missed heartbeats reveal it.
