@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import grpc
 import numpy as np
@@ -271,6 +271,8 @@ class PointToPoint:
         self.header_observer: Optional[Callable[[int, peer_pb2.CollectiveDescriptor], None]] = None
         self.abort_observer: Optional[Callable[[peer_pb2.AbortRequest], None]] = None
         self.failure_observer: Optional[Callable[[int, str, bool], None]] = None
+        # Peers seen dead for certain: their process ended (their life mark, on this host).
+        self.dead: Set[int] = set()
         self.mailbox = Mailbox(rank)
         # Reentrant: a stream to a dead peer can fail while it is being opened under the lock,
         # and its failure callback (peer_failed) then runs in this same thread.
@@ -935,6 +937,10 @@ class _InboundStream:
             del self._p2p._lanes[self._src]
         if lane is not None:
             lane.ring()
+
+    def sender_died(self) -> None:
+        """The sender's process ended (seen through its life mark): before its stream is closed."""
+        self._p2p.dead.add(self._src)
 
     def on_closed(self, error: Optional[str], goodbye: Optional[peer_pb2.Goodbye]) -> None:
         self._detach_lane()

@@ -274,14 +274,16 @@ class CoordinatorClient:
             f"worker {self.worker_id}: commit #{commit_id} not recorded within {timeout:g}s: {reason}"
         )
 
-    def report_failure(self, membership_version: int, suspects, reason: str) -> None:
-        """Tells the coordinator a collective failed, naming unreachable workers; best effort."""
+    def report_failure(self, membership_version: int, suspects, reason: str, dead=()) -> None:
+        """Tells the coordinator a collective failed, naming unreachable workers (and of them, those
+        seen ``dead`` for certain, which it then does not probe); best effort."""
         request = coordinator_pb2.FailureReport(
             worker_id=self.worker_id,
             membership_version=membership_version,
             suspects=list(suspects),
             reason=reason,
             incarnation=self.incarnation,
+            dead=list(dead),
         )
         try:
             self._call(self._stub.ReportFailure, request, _RPC_TIMEOUT_S)

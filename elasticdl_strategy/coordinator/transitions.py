@@ -377,7 +377,8 @@ def _leave_response(state: JobState) -> events.Reply:
 
 def _on_report_failure(params: CoordinatorParams, state: JobState, event: events.ReportFailure, now: float, effects):
     """The suspects a report names are probed; those that do not answer are declared dead (not a
-    process that registered under one's id meanwhile), and the members re-form: a new version,
+    process that registered under one's id meanwhile), as are those the reporter saw die (``dead``,
+    unprobed: their host's kernel told it), and the members re-form: a new version,
     even with the same members. A report about another membership, or from a replaced process,
     changes nothing."""
     request = event.request
@@ -385,12 +386,17 @@ def _on_report_failure(params: CoordinatorParams, state: JobState, event: events
     if request.membership_version != state.membership.version or state.replaced(request.worker_id, request.incarnation):
         return state, response
     suspects = [state.workers[s] for s in request.suspects if s in state.workers]
-    if event.probed is None and suspects:
-        return state, events.Probe(tuple(events.Target(w.worker_id, w.address, w.join_order) for w in suspects))
+    dead = [w for w in suspects if w.worker_id in request.dead]  # no probe: it would only wait for the corpse
+    unsure = [w for w in suspects if w.worker_id not in request.dead]
+    if event.probed is None and unsure:
+        return state, events.Probe(tuple(events.Target(w.worker_id, w.address, w.join_order) for w in unsure))
     probed = event.probed or {}
-    silent = [w for w in suspects if probed.get(w.join_order) is False]
+    silent = dead + [w for w in unsure if probed.get(w.join_order) is False]
     for w in silent:
-        if w.alive:
+        if w.alive and w in dead:
+            seen_by = request.worker_id
+            effects.log(logging.WARNING, "worker %s (%s) died, %s saw: declared dead", w.worker_id, w.address, seen_by)
+        elif w.alive:
             effects.log(logging.WARNING, "worker %s (%s) does not answer: declared dead", w.worker_id, w.address)
     state = _with_workers(state, [dataclasses.replace(w, alive=False) for w in silent if w.alive])
     names = ", ".join(w.worker_id for w in silent)

@@ -280,7 +280,10 @@ class Worker:
         started = time.monotonic()
         old = self.membership
         if failed:
-            client.report_failure(old.version, suspects, reason)
+            suspects = list(suspects)
+            p2p = self.communicator.p2p
+            dead = [p2p.worker_ids[r] for r in sorted(p2p.dead) if p2p.worker_ids[r] in suspects]
+            client.report_failure(old.version, suspects, reason, dead)
         timeout = env.rendezvous_timeout_s if timeout is None else timeout
         new = client.wait_for_membership(after_version=old.version, timeout=timeout, stop=stop)
         if new is None:

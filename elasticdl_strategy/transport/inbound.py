@@ -75,7 +75,9 @@ class MessageWriter(Protocol):
 class StreamReceiver(Protocol):
     """Where one stream's messages go. A receiver that reads lanes also has
     ``attach_lane(lane: ReceiveLane)``: it then reads the messages the sender put
-    in the lane of the stream's arena itself, and before it handles ``on_closed``."""
+    in the lane of the stream's arena itself, and before it handles ``on_closed``;
+    one with ``sender_died()`` is told (before ``on_closed``) when the sender of such
+    a stream is seen dead through its life mark (:mod:`.life_marks`)."""
 
     def on_header(self, header: peer_pb2.MessageHeader) -> MessageWriter:
         """A message begins; returns where its bytes go."""

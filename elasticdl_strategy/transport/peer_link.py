@@ -104,7 +104,7 @@ class PeerService:
                 attach_lane = getattr(receiver, "attach_lane", None)  # receivers that read lanes have it
                 if arena is not None and arena.lane is not None and attach_lane is not None:
                     attach_lane(arena.lane)
-                    watch = arena.watch_sender(lambda: _ended_by_death(died, context))
+                    watch = arena.watch_sender(lambda: _ended_by_death(died, context, receiver))
             if hello.data_socket and self._data_sockets is not None:
                 ticket = self._data_sockets.expect(source=grpc_peer_host(context.peer()))
                 answer.data_socket_port, answer.data_socket_ticket = self._data_sockets.port, ticket
@@ -147,8 +147,12 @@ class PeerService:
         return data_socket
 
 
-def _ended_by_death(died: List[str], context) -> None:
-    """The sender's life mark says it died: the stream ends now, with that reason."""
+def _ended_by_death(died: List[str], context, receiver: StreamReceiver) -> None:
+    """The sender's life mark says it died: the receiver is told (if it asks: ``sender_died``),
+    and the stream ends now, with that reason."""
+    sender_died = getattr(receiver, "sender_died", None)
+    if sender_died is not None:
+        sender_died()
     died.append("its process ended (its threads exited without closing the stream)")
     context.cancel()
 

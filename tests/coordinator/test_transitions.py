@@ -117,6 +117,18 @@ def test_a_probe_about_an_earlier_process_is_not_applied_to_a_later_one():
     assert ids(after.state) == ["a", "b"] and "c unreachable" in after.state.membership.reason
 
 
+def test_a_suspect_the_reporter_saw_die_is_declared_dead_without_a_probe():
+    state = registered("a", "b", "c", "d")
+    report = pb.FailureReport(worker_id="a", membership_version=1, suspects=["b", "c"], dead=["c"], reason="x")
+    probe = step(state, events.ReportFailure(report)).answer
+    assert probe.targets == (events.Target("b", "h:b", 2),)  # only the one it could not reach
+    after = step(state, events.ReportFailure(report, {2: True}))
+    assert ids(after.state) == ["a", "b", "d"] and "c unreachable" in after.state.membership.reason
+    alone = pb.FailureReport(worker_id="a", membership_version=1, suspects=["c"], dead=["c"], reason="x")
+    after = step(state, events.ReportFailure(alone))  # nothing to probe: decided at once
+    assert ids(after.state) == ["a", "b", "d"] and after.state.membership.version == 2
+
+
 def test_a_report_whose_suspects_all_answer_still_re_forms_the_members():
     state = registered("a", "b", "c")
     report = pb.FailureReport(worker_id="a", membership_version=1, suspects=["c"], reason="timeout")

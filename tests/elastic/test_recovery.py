@@ -77,6 +77,8 @@ def test_sigkill_one_of_three_at_a_random_step(tmp_path):
     (victim,) = dead(tmp_path)
     assert f"worker {victim.split('-')[1]} was killed by signal 9; the other workers carry on" in err
     assert "rolling back to the last commit" in out + err
+    # Its ring neighbour watched its life mark: the coordinator took the report of its death unprobed.
+    assert f"worker {victim} (" in err and "saw: declared dead" in err, err[-3000:]
     found = reports(tmp_path)
     assert_exactly_once_and_identical(found, 2)
     assert victim not in found and all(r["size"] == 2 for r in found.values())

@@ -99,18 +99,20 @@ class CommitResponse(_message.Message):
     def __init__(self, recorded: _Optional[bool] = ..., membership_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("worker_id", "membership_version", "suspects", "reason", "incarnation")
+    __slots__ = ("worker_id", "membership_version", "suspects", "reason", "incarnation", "dead")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DEAD_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     membership_version: int
     suspects: _containers.RepeatedScalarFieldContainer[str]
     reason: str
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    dead: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[str] = ..., dead: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FailureReportResponse(_message.Message):
     __slots__ = ("membership_version",)
