@@ -35,7 +35,7 @@ from elasticdl_strategy.errors import (
 from elasticdl_strategy.transport import futex, lanes
 from elasticdl_strategy.transport.data_socket import host_of
 from elasticdl_strategy.transport.endpoints import open_channel
-from elasticdl_strategy.transport.inbound import MessageWriter, SocketFrames
+from elasticdl_strategy.transport.inbound import WAITING_THREAD_READS_AT_MOST, MessageWriter, SocketFrames
 from elasticdl_strategy.transport.lanes import ReceiveLane
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.outbound import OutboundStream, OutgoingMessage, settle
@@ -446,10 +446,13 @@ class PointToPoint:
 
     def _direct_take(self, src: int, sink: Sink) -> Optional[Callable[[Key, Sink, float], bool]]:
         """How a waiting caller may take the message ``sink`` takes from ``src`` itself: from its lane
-        if it fits one, from its data socket where there is no lane; None: through the mailbox."""
+        if it fits one, from its data socket where there is no lane if a waiting caller reads it
+        (not larger than :data:`~.inbound.WAITING_THREAD_READS_AT_MOST`: a caller spinning for a
+        larger one would hold the GIL the stream's thread needs to read it); None: through the mailbox."""
         if src in self._lanes:
             return self._take_from_lane if self._fits_lane(sink) else None
-        if src in self._sockets and self.options.spin_us > 0:
+        expected = sink.expected_nbytes
+        if src in self._sockets and self.options.spin_us > 0 and (expected or 0) <= WAITING_THREAD_READS_AT_MOST:
             return self._take_from_socket
         return None
 

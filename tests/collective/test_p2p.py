@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.collective.mailbox import Mailbox, ReduceSink
-from elasticdl_strategy.collective.p2p import PointToPoint, _AwaitedOnSocket, _InboundStream
+from elasticdl_strategy.collective.p2p import PointToPoint, _AwaitedOnSocket, _DirectReceive, _InboundStream
 from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.byte_paths import DataSocketPath
 from elasticdl_strategy.transport.data_socket import FrameSocket
+from elasticdl_strategy.transport.inbound import WAITING_THREAD_READS_AT_MOST
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
@@ -567,6 +568,17 @@ def test_a_receive_from_a_data_socket_is_read_by_the_waiting_caller_straight_int
     assert delivered == [7] and posted == []  # the other message to the mailbox, this one straight in
     monkeypatch.undo()
     np.testing.assert_array_equal(b.recv(0, tag=7, timeout=10), np.full(4, 7.0))
+
+
+def test_only_a_message_a_waiting_caller_reads_itself_is_taken_straight_from_the_data_socket(socket_pair):
+    _, a, b = socket_pair
+    largest = WAITING_THREAD_READS_AT_MOST // 8
+    small, large = b.irecv(0, tag=20, out=np.zeros(largest)), b.irecv(0, tag=21, out=np.zeros(largest + 1))
+    # The stream's thread reads the large one: a caller spinning for it would hold the GIL it needs.
+    assert isinstance(small, _DirectReceive) and not isinstance(large, _DirectReceive)
+    a.send(np.ones(largest), dst=1, tag=20)
+    a.send(np.ones(largest + 1), dst=1, tag=21)
+    assert small.wait(timeout=20).sum() == largest and large.wait(timeout=20).sum() == largest + 1
 
 
 def test_a_message_on_a_data_socket_that_does_not_fit_the_waiting_receive_fails_it_and_the_stream_goes_on(
