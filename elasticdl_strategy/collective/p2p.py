@@ -202,6 +202,10 @@ class _DirectReceive(Request):
                 self._future = futures.Future()
                 self._future.set_exception(e)
                 raise
+            except BaseException:  # interrupted (Ctrl-C) while reading: the receive stays, posted
+                self._key = key
+                self._post()
+                raise
             self._key = key
             self._post()
             timeout = max(0.0, timeout - (time.monotonic() - started))
@@ -215,6 +219,10 @@ class _DirectReceive(Request):
         if self._key is not None:
             self._p2p.mailbox.give_back(self._key)
             self._key = None
+            self._future = futures.Future()  # as a posted receive withdrawn: done, not succeeded
+            self._future.set_exception(
+                CommunicationError(f"rank {self._rank}: {self._describe()} was cancelled", rank=self._rank)
+            )
             return True
         return super().cancel()
 

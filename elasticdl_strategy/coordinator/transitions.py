@@ -386,8 +386,11 @@ def _on_report_failure(params: CoordinatorParams, state: JobState, event: events
     if request.membership_version != state.membership.version or state.replaced(request.worker_id, request.incarnation):
         return state, response
     suspects = [state.workers[s] for s in request.suspects if s in state.workers]
-    dead = [w for w in suspects if w.worker_id in request.dead]  # no probe: it would only wait for the corpse
-    unsure = [w for w in suspects if w.worker_id not in request.dead]
+    # No probe of one seen dead: it would only wait for the corpse. Life marks exist between workers
+    # of one host only: a claim about another host's worker is probed like any suspect.
+    reporter = state.workers.get(request.worker_id)
+    dead = [w for w in suspects if w.worker_id in request.dead and reporter is not None and w.host == reporter.host]
+    unsure = [w for w in suspects if w not in dead]
     if event.probed is None and unsure:
         return state, events.Probe(tuple(events.Target(w.worker_id, w.address, w.join_order) for w in unsure))
     probed = event.probed or {}

@@ -47,13 +47,27 @@ _WATCH_SLICE_S = 1.0  # how often a watcher looks whether it was stopped
 _HOLD_TIMEOUT_S = 5.0
 
 AVAILABLE = futex.AVAILABLE and platform.libc_ver()[0] == "glibc"
+_CLOCK_MONOTONIC = 1
+_HAS_CLOCKLOCK = False
 if AVAILABLE:
     _libc = ctypes.CDLL(None, use_errno=True)
     AVAILABLE = hasattr(_libc, "pthread_mutex_timedlock") and hasattr(_libc, "pthread_mutexattr_setrobust")
+    _HAS_CLOCKLOCK = hasattr(_libc, "pthread_mutex_clocklock")
 
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _lock_within(mutex: ctypes.Array, seconds: float) -> int:
+    """Locks ``mutex``, waiting at most ``seconds``; returns 0, ``EOWNERDEAD``, ``ETIMEDOUT`` or another error."""
+    if _HAS_CLOCKLOCK:  # glibc 2.30+: a deadline on the monotonic clock, which no clock step moves
+        deadline = time.monotonic() + seconds  # CLOCK_MONOTONIC on Linux
+        spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
+        return _libc.pthread_mutex_clocklock(mutex, _CLOCK_MONOTONIC, ctypes.byref(spec))
+    deadline = time.time() + seconds
+    spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
+    return _libc.pthread_mutex_timedlock(mutex, ctypes.byref(spec))
 
 
 def _mutex_at(mapping: mmap.mmap, offset: int) -> ctypes.Array:
@@ -80,6 +94,7 @@ class HeldMark:
         self._thread = threading.Thread(target=self._hold, name="edl-life-mark", daemon=True)
         self._thread.start()
         if not self._locked.wait(_HOLD_TIMEOUT_S):
+            self._released.set()  # should it lock after all, it lets go at once
             raise OSError(errno.ETIMEDOUT, "the life mark's thread did not start")
 
     def _hold(self) -> None:
@@ -108,11 +123,13 @@ class Watch:
 
     def _watch(self) -> None:
         while not self._stopped.is_set():
-            deadline = time.time() + _WATCH_SLICE_S  # pthread_mutex_timedlock counts in CLOCK_REALTIME
-            spec = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
-            result = _libc.pthread_mutex_timedlock(self._mutex, ctypes.byref(spec))
+            result = _lock_within(self._mutex, _WATCH_SLICE_S)
             if result == errno.ETIMEDOUT:
                 continue
+            if result in (0, errno.EOWNERDEAD):
+                # At once: a thread that ends holding a robust mutex leaves it on its robust list,
+                # which the kernel walks when the thread exits, maybe after the arena was unmapped.
+                _libc.pthread_mutex_unlock(self._mutex)
             if result == errno.EOWNERDEAD and not self._stopped.is_set():
                 self._on_death()
             elif result not in (0, errno.EOWNERDEAD):

@@ -267,6 +267,8 @@ class OutboundStream:
         try:
             self._call.result(timeout=timeout)
         except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError, futures.TimeoutError):
+            if self._arena is not None:
+                self._arena.release_mark()  # closing on purpose: the peer must not see a death
             self._call.cancel()
         if self._reply_reader is not None:
             self._reply_reader.join(timeout=max(0.1, deadline - time.monotonic()))

@@ -117,7 +117,7 @@ class PeerService:
             goodbye = yield from receive_messages(source, receiver, arena)
             error = None
         except (grpc.RpcError, DataSocketClosed):
-            error = died[0] if died else "the connection broke (the sender died or the network failed)"
+            error = "the connection broke (the sender died or the network failed)"
         except IncompleteStream:
             pass
         except Exception as e:  # a bug or a corrupt frame: the stream cannot continue
@@ -126,6 +126,8 @@ class PeerService:
         finally:
             if watch is not None:
                 watch.stop()
+            if died:  # however the cancelled call ended (an error, the frames' end, the generator closed)
+                error, goodbye = died[0], None
             receiver.on_closed(error, goodbye)
             if arena is not None:
                 arena.close()

@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import time
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
@@ -134,8 +135,10 @@ class SendArena:
         if lane_bytes and life_marks.AVAILABLE:  # only a lane's reader maps the arena writable, to watch it
             try:
                 self._mark = life_marks.hold(self._map, _LIFE_MARK_OFFSET)
-            except OSError as e:  # its peers then see its death when its connections close
+            except (OSError, RuntimeError) as e:  # its peers then see its death when its connections close
                 logger.warning("arena %s without a life mark: %s", self.name, e)
+            else:  # an arena dropped before its stream began (or ended) lets go of it too
+                weakref.finalize(self, self._mark.release)
 
     def release_mark(self) -> None:
         """Lets go of the life mark: the stream ends on purpose (before its goodbye) or has ended."""
@@ -223,7 +226,11 @@ class ReceiveArena:
         stopped; None where the arena cannot be watched (no lane: mapped read-only)."""
         if self.lane is None or not life_marks.AVAILABLE:
             return None
-        return life_marks.watch(self._map, _LIFE_MARK_OFFSET, on_death)
+        try:
+            return life_marks.watch(self._map, _LIFE_MARK_OFFSET, on_death)
+        except RuntimeError as e:  # no thread to spare: its death is seen when its connection closes
+            logger.warning("not watching the sender's life mark: %s", e)
+            return None
 
     def consumed(self, slot: int) -> List[int]:
         """Records that ``slot`` was read; returns the slots to hand back now (empty until a batch is full)."""

@@ -41,13 +41,11 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
 
 
 @pytest.mark.skipif(not life_marks.AVAILABLE, reason="life marks need Linux, glibc and x86-64")
-def test_a_killed_same_host_peer_is_seen_dead_by_its_life_mark_before_its_connections_close(tmp_path):
-    job = run_job(
-        2,
-        [sys.executable, worker_script("peer_killed.py"), str(tmp_path), "kill-large"],
-        timeout=90,
-        env=transport_env("shared-memory"),
-    )
+@pytest.mark.parametrize("frames", ["data-socket", "grpc"])  # where the arena's frames travel
+def test_a_killed_same_host_peer_is_seen_dead_by_its_life_mark_before_its_connections_close(tmp_path, frames):
+    env = {**transport_env("shared-memory"), "EDL_DATA_SOCKET": "1" if frames == "data-socket" else "0"}
+    command = [sys.executable, worker_script("peer_killed.py"), str(tmp_path), "kill-large"]
+    job = run_job(2, command, timeout=90, env=env)
     victim = json.loads((tmp_path / "victim.json").read_text())
     assert "was killed by signal 9" in job.stderr
     for outcome in _survivors(tmp_path, 2, victim):

@@ -11,7 +11,13 @@ import pytest
 from elasticdl_strategy.collective.mailbox import Mailbox, ReduceSink
 from elasticdl_strategy.collective.p2p import PointToPoint, _AwaitedOnSocket, _DirectReceive, _InboundStream
 from elasticdl_strategy.collective.ring import CollectiveCall
-from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
+from elasticdl_strategy.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicationError,
+    PeerFailureError,
+    UsageError,
+)
 from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.byte_paths import DataSocketPath
@@ -589,6 +595,18 @@ def test_a_message_on_a_data_socket_that_does_not_fit_the_waiting_receive_fails_
     with pytest.raises(CollectiveMismatchError, match="40 bytes"):
         b.recv(0, tag=3, out=np.zeros(4), timeout=10)
     np.testing.assert_array_equal(b.recv(0, tag=3, out=np.zeros(4), timeout=10), np.ones(4))
+
+
+@pytest.mark.parametrize("pair", ["shm_pair", "socket_pair"])
+def test_a_receive_cancelled_before_its_message_came_has_not_succeeded_and_leaves_it_to_the_next(pair, request):
+    _, a, b = request.getfixturevalue(pair)
+    cancelled = b.irecv(0, tag=40, out=np.zeros(3))
+    assert cancelled.cancel()
+    assert cancelled.done() and not cancelled.succeeded()
+    with pytest.raises(CommunicationError, match="cancelled"):
+        cancelled.wait(timeout=1)
+    a.send(np.ones(3), dst=1, tag=40)
+    np.testing.assert_array_equal(b.recv(0, tag=40, out=np.zeros(3), timeout=10), np.ones(3))
 
 
 def test_a_receive_that_may_come_by_a_lane_has_not_succeeded_before_its_message_came(shm_pair):

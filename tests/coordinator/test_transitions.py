@@ -129,6 +129,18 @@ def test_a_suspect_the_reporter_saw_die_is_declared_dead_without_a_probe():
     assert ids(after.state) == ["a", "b", "d"] and after.state.membership.version == 2
 
 
+def test_a_death_claimed_about_a_worker_of_another_host_is_probed():
+    state = JobState()
+    for worker_id, host in (("a", "h1"), ("b", "h1"), ("c", "h2")):
+        request = pb.RegisterRequest(worker_id=worker_id, address=f"{host}:{worker_id}", incarnation="1", host=host)
+        state = step(state, events.Register(request)).state
+    report = pb.FailureReport(worker_id="a", membership_version=1, suspects=["b", "c"], dead=["b", "c"], reason="x")
+    probe = step(state, events.ReportFailure(report)).answer  # life marks only exist within a host
+    assert probe.targets == (events.Target("c", "h2:c", 3),)
+    after = step(state, events.ReportFailure(report, {3: True}))
+    assert ids(after.state) == ["a", "c"]
+
+
 def test_a_report_whose_suspects_all_answer_still_re_forms_the_members():
     state = registered("a", "b", "c")
     report = pb.FailureReport(worker_id="a", membership_version=1, suspects=["c"], reason="timeout")

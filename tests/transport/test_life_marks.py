@@ -1,5 +1,6 @@
 """Life marks: a process's death is seen through a robust mutex in shared memory, its release is not a death."""
 
+import gc
 import mmap
 import os
 import signal
@@ -90,3 +91,18 @@ def test_the_mapping_stays_mapped_while_a_watch_or_a_mark_uses_it(shared_page):
     with pytest.raises(BufferError):
         mapping.close()  # unmapped, the holding thread's mutex would be gone from under it
     mark.release()
+
+
+def test_an_arena_dropped_before_its_stream_ended_lets_go_of_its_mark(tmp_path):
+    from elasticdl_strategy.transport.shared_memory import SendArena
+
+    def holders():
+        return sum(thread.name == "edl-life-mark" and thread.is_alive() for thread in threading.enumerate())
+
+    before = holders()
+    arena = SendArena(str(tmp_path), slots=2, slot_size=64 << 10, lane_bytes=1 << 20)
+    assert holders() == before + 1
+    arena.unlink()
+    del arena  # never offered, never released: its stream failed to start
+    gc.collect()
+    assert holders() == before
