@@ -1,5 +1,6 @@
 """Life marks: a process's death is seen through a robust mutex in shared memory, its release is not a death."""
 
+import contextlib
 import gc
 import mmap
 import os
@@ -44,45 +45,42 @@ def _end(holder: subprocess.Popen) -> None:
     holder.wait(timeout=10)
 
 
-def test_the_death_of_the_holder_is_seen_at_once(shared_page):
+@contextlib.contextmanager
+def _watched(shared_page, how: str):
+    """A holder process started with ``how`` and a watch of its mark: ``(holder, died, watch)``;
+    both are ended on the way out."""
     path, mapping = shared_page
-    holder, died = _holder(path, "hold"), threading.Event()
+    holder, died = _holder(path, how), threading.Event()
     watch = life_marks.watch(mapping, OFFSET, died.set)
     try:
-        assert not died.wait(0.2)  # alive: nothing reported
-        os.kill(holder.pid, signal.SIGKILL)
-        assert died.wait(10), "the holder's death was not reported"
+        yield holder, died, watch
     finally:
         watch.stop()
         _end(holder)
 
 
+def test_the_death_of_the_holder_is_seen_at_once(shared_page):
+    with _watched(shared_page, "hold") as (holder, died, _):
+        assert not died.wait(0.2)  # alive: nothing reported
+        os.kill(holder.pid, signal.SIGKILL)
+        assert died.wait(10), "the holder's death was not reported"
+
+
 def test_a_mark_released_on_purpose_is_not_a_death_even_when_the_holder_then_dies(shared_page):
-    path, mapping = shared_page
-    holder, died = _holder(path, "release"), threading.Event()
-    watch = life_marks.watch(mapping, OFFSET, died.set)
-    try:
+    with _watched(shared_page, "release") as (holder, died, watch):
         assert holder.stdout.readline().strip() == "released"
         watch._thread.join(10)  # it got the mark: nothing more to watch
         assert not watch._thread.is_alive()
         _end(holder)
         assert not died.is_set()
-    finally:
-        watch.stop()
-        _end(holder)
 
 
 def test_a_stopped_watch_reports_nothing(shared_page):
-    path, mapping = shared_page
-    holder, died = _holder(path, "hold"), threading.Event()
-    watch = life_marks.watch(mapping, OFFSET, died.set)
-    watch.stop()
-    try:
+    with _watched(shared_page, "hold") as (holder, died, watch):
+        watch.stop()
         os.kill(holder.pid, signal.SIGKILL)
         watch._thread.join(10)
         assert not watch._thread.is_alive() and not died.is_set()
-    finally:
-        _end(holder)
 
 
 def test_the_mapping_stays_mapped_while_a_watch_or_a_mark_uses_it(shared_page):
@@ -91,6 +89,13 @@ def test_the_mapping_stays_mapped_while_a_watch_or_a_mark_uses_it(shared_page):
     with pytest.raises(BufferError):
         mapping.close()  # unmapped, the holding thread's mutex would be gone from under it
     mark.release()
+    watch = life_marks.watch(mapping, OFFSET, lambda: None)  # gets the released mark and stops
+    watch._thread.join(10)
+    with pytest.raises(BufferError):
+        mapping.close()  # the watch keeps its view while it lives
+    del mark, watch
+    gc.collect()
+    mapping.close()  # once both are gone
 
 
 def test_an_arena_dropped_before_its_stream_ended_lets_go_of_its_mark(tmp_path):
