@@ -29,6 +29,7 @@ def check_version(version: str) -> None:
 
 check_version(tf.__version__)
 
+from tensorflow.python.autograph.core import config as autograph_config  # noqa: E402
 from tensorflow.python.data.ops import batch_op, dataset_ops, map_op, prefetch_op, repeat_op, skip_op, take_op  # noqa: E402
 from tensorflow.python.data.util import structure as data_structure  # noqa: E402
 from tensorflow.python.distribute import device_util  # noqa: E402
@@ -63,6 +64,21 @@ def reader_file_names(reader: tf.data.Dataset):
     return reader._filenames
 
 
+# AutoGraph's list of packages whose functions a tf.function calls as they are.
+
+
+def exclude_from_autograph(package: str) -> None:
+    """Has AutoGraph call the functions of ``package`` (and its submodules) unconverted inside a
+    ``tf.function``, as it calls TensorFlow's and Keras's own (a ``DoNotConvert`` rule; once).
+
+    AutoGraph otherwise converts every function a traced function calls, and all it calls in
+    turn: parsing and rewriting their source the first time in each process.
+    """
+    rules = autograph_config.CONVERSION_RULES
+    if not any(isinstance(rule, autograph_config.DoNotConvert) and rule.matches(package) for rule in rules):
+        autograph_config.CONVERSION_RULES = (autograph_config.DoNotConvert(package), *rules)
+
+
 __all__ = [
     "batch_op",
     "dataset_ops",
@@ -77,6 +93,7 @@ __all__ = [
     "dataset_inputs",
     "dataset_function_graphs",
     "reader_file_names",
+    "exclude_from_autograph",
     "device_util",
     "distribute_lib",
     "distribute_utils",

@@ -13,3 +13,26 @@ def test_tested_tensorflow_versions_pass():
 def test_other_tensorflow_versions_are_refused_with_what_to_do(version):
     with pytest.raises(ConfigError, match=f"TensorFlow {version} is installed.*pip install"):
         tf_compat.check_version(version)
+
+
+def _a_user_function():
+    return 1
+
+
+def test_autograph_calls_the_library_as_it_is_and_still_converts_user_code():
+    # Converting the library's functions (runtime.size() in a step, and all they call) made a
+    # process's first trace ~0.2 s slower; user functions must still be converted.
+    from tensorflow.python.autograph.impl import conversion
+
+    from elasticdl_strategy import runtime
+    from elasticdl_strategy.strategy import bridge
+
+    assert conversion.is_allowlisted(runtime.size)
+    assert conversion.is_allowlisted(bridge.all_reduce_tensors)
+    assert not conversion.is_allowlisted(_a_user_function)
+
+
+def test_excluding_a_package_twice_adds_one_rule():
+    rules = len(tf_compat.autograph_config.CONVERSION_RULES)
+    tf_compat.exclude_from_autograph("elasticdl_strategy")
+    assert len(tf_compat.autograph_config.CONVERSION_RULES) == rules
