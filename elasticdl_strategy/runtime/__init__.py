@@ -49,6 +49,7 @@ __all__ = [
     "init",
     "shutdown",
     "is_initialized",
+    "joined_running_job",
     "rank",
     "size",
     "communicator",
@@ -74,14 +75,23 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _worker: Optional[Worker] = None
+_admission: Optional["_Admission"] = None
+_WAIT_SLICE_S = 0.5  # waits for the admission in slices: Ctrl-C stays prompt
 
 
-def init(env: Optional[Mapping[str, str]] = None) -> None:
+def init(env: Optional[Mapping[str, str]] = None, admit_in_background: bool = False) -> None:
     """Joins the job described by the launcher's environment (``os.environ`` by default).
 
     Blocks until the coordinator has formed a membership containing this
     worker. Without ``EDL_COORDINATOR_ADDR`` it sets up a single worker
     (rank 0 of 1) and says so in one log line. Calling it again is a no-op.
+
+    ``admit_in_background``: a worker joining a job that is already training
+    returns once registered, and waits for its admission (at the members' next
+    commit) in the background meanwhile: what needs the membership (:func:`rank`,
+    :func:`size`, :func:`communicator`, :func:`current_worker`) waits for it
+    then, and raises what the admission raised. So building a model overlaps
+    the wait (:class:`~elasticdl_strategy.AllReduceStrategy` asks for it).
 
     Raises:
         ConfigError: the environment is invalid.
@@ -89,9 +99,9 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
         AuthenticationError: the coordinator rejected the job token.
         WorkerLeft: this worker was a standby, and the job finished without it (uncaught: exit code 0).
     """
-    global _worker
+    global _worker, _admission
     with _lock:
-        if _worker is not None:
+        if _worker is not None or _admission is not None:
             return
         env = os.environ if env is None else env
         parsed = WorkerEnvironment.from_env(env)
@@ -102,15 +112,96 @@ def init(env: Optional[Mapping[str, str]] = None) -> None:
                 COORDINATOR_ADDR,
             )
             _worker = Worker.single()
+            _leave_when_the_program_ends()
+            return
+        worker_id = parsed.worker_id
+        configure_logging(lambda: _describe_worker(worker_id), env)
+        admission = _admission = _Admission(parsed)
+    _leave_when_the_program_ends()
+    try:
+        _wait(admission.registered)
+        if admission.error is None and admission.joins_running_job and admit_in_background:
+            return
+        _wait_for_admission()
+    except BaseException:
+        if not admission.done.is_set():  # interrupted (Ctrl-C): the admission stops too
+            shutdown(finished=False)
+        raise
+
+
+class _Admission:
+    """Joining the job in a thread of its own: registration, the wait for a membership with this
+    worker, its communicator. ``registered`` is set once registered (``joins_running_job`` known)
+    or failed; ``done`` once admitted (``_worker`` set) or failed (``error``)."""
+
+    def __init__(self, env: WorkerEnvironment):
+        self.registered = threading.Event()
+        self.done = threading.Event()
+        self.joins_running_job = False
+        self.error: Optional[BaseException] = None
+        self.stopped = False  # set under _lock by shutdown(): the wait gives up, a late worker leaves
+        self.thread = threading.Thread(target=self._join, args=(env,), name="edl-admission", daemon=True)
+        self.thread.start()
+
+    def _on_registered(self, joins_running_job: bool) -> None:
+        self.joins_running_job = joins_running_job
+        self.registered.set()
+
+    def _join(self, env: WorkerEnvironment) -> None:
+        global _worker
+        try:
+            worker = Worker.join(env, on_registered=self._on_registered, stop=lambda: self.stopped)
+        except JobFinished as e:
+            logger.info("%s: this standby leaves", e)
+            self.error = WorkerLeft(f"{e}: this standby leaves")
+        except BaseException as e:  # noqa: BLE001 - raised in the thread that needs the membership
+            self.error = e
         else:
-            worker_id = parsed.worker_id
-            configure_logging(lambda: _describe_worker(worker_id), env)
-            try:
-                _worker = Worker.join(parsed)
-            except JobFinished as e:
-                logger.info("%s: this standby leaves", e)
-                raise WorkerLeft(f"{e}: this standby leaves") from None
-        _leave_when_the_program_ends()
+            with _lock:
+                admitted = not self.stopped
+                if admitted:
+                    _worker = worker
+            if not admitted:  # shutdown() came first: it found no worker to shut down
+                worker.shutdown(finished=False)
+                self.error = WorkerLeft("shut down before it was admitted")
+        finally:
+            self.registered.set()
+            self.done.set()
+
+
+def _wait(event: threading.Event) -> None:
+    while not event.wait(_WAIT_SLICE_S):
+        pass
+
+
+def _wait_for_admission() -> Worker:
+    """This process's worker once admitted; raises what the admission raised."""
+    global _admission
+    admission = _admission
+    if admission is None:
+        raise UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+    _wait(admission.done)  # bounded by the admission's own deadline (a standby waits for a place)
+    if admission.error is not None:
+        with _lock:
+            if _admission is admission:
+                _admission = None  # init() may try again
+        raise admission.error
+    worker = _worker
+    if worker is None:
+        raise UsageError("elasticdl_strategy.runtime was shut down")
+    return worker
+
+
+def joined_running_job() -> bool:
+    """Whether this worker joined (or is joining) a job that was already training: its state then
+    comes from the others. Known once registered; does not wait for the admission."""
+    worker = _worker
+    if worker is not None:
+        return worker.joined_running_job
+    admission = _admission
+    if admission is None:
+        raise UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+    return admission.joins_running_job
 
 
 def _describe_worker(worker_id: str) -> str:
@@ -152,22 +243,26 @@ def shutdown(finished: bool = True) -> None:
     ``finished`` (the default, and at a successful exit): this worker's
     program is done, so the job is: workers waiting to join stop waiting.
     """
-    global _worker
+    global _worker, _admission
     with _lock:
         worker, _worker = _worker, None
+        admission, _admission = _admission, None
+        if admission is not None:
+            admission.stopped = True
     if worker is not None:
         worker.shutdown(finished=finished)
+    elif admission is not None:
+        admission.thread.join(timeout=5.0)  # gives up within a second (its stop() is polled)
 
 
 def is_initialized() -> bool:
-    return _worker is not None
+    """Whether :func:`init` was called (a worker still waiting for its admission included)."""
+    return _worker is not None or _admission is not None
 
 
 def _current() -> Worker:
     worker = _worker
-    if worker is None:
-        raise UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
-    return worker
+    return worker if worker is not None else _wait_for_admission()
 
 
 def current_worker() -> Worker:

@@ -18,6 +18,7 @@ from elasticdl_strategy.collective.p2p import PointToPoint
 from elasticdl_strategy.coordinator.client import CoordinatorClient
 from elasticdl_strategy.coordinator.membership import Member, Membership
 from elasticdl_strategy.environment import WorkerEnvironment
+from elasticdl_strategy.errors import WorkerLeft
 from elasticdl_strategy.transport.allocator import tune_for_streaming
 from elasticdl_strategy.transport.health import answers_health_check
 from elasticdl_strategy.transport.options import TransportOptions
@@ -105,7 +106,21 @@ class Worker:
         return cls(membership, "local", Communicator(p2p))
 
     @classmethod
-    def join(cls, env: WorkerEnvironment) -> "Worker":
+    def join(
+        cls,
+        env: WorkerEnvironment,
+        on_registered: Optional[Callable[[bool], None]] = None,
+        stop: Optional[Callable[[], bool]] = None,
+    ) -> "Worker":
+        """Registers, waits for a membership with this worker and connects to it.
+
+        ``on_registered(joins_running_job)`` is called once registered; ``stop()``, polled at least
+        every second while waiting, gives up the wait when true.
+
+        Raises:
+            WorkerLeft: ``stop()`` became true before the admission.
+            RendezvousTimeoutError, JobFinished, WorkerReplaced: from the wait for a membership.
+        """
         tune_for_streaming()
         server = WorkerServer(f"{env.bind_host}:{env.peer_port}", env.token, env.transport, data_port=env.data_port)
         client = None
@@ -116,6 +131,8 @@ class Worker:
                 env.coordinator_address, env.worker_id, env.token, env.transport, host=env.host_id
             )
             registered = client.register(address, timeout=env.rendezvous_timeout_s)
+            if on_registered is not None:
+                on_registered(registered.joins_running_job)
 
             # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
             def on_heartbeat(response) -> None:
@@ -127,8 +144,9 @@ class Worker:
                     client.register(address, timeout=env.rendezvous_timeout_s)
 
             client.start_heartbeats(lambda: worker.membership.version if worker else 0, on_heartbeat)
-            membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s)
-            assert membership is not None  # without a stop callback it raises instead
+            membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s, stop=stop)
+            if membership is None:
+                raise WorkerLeft(f"worker {env.worker_id} stopped waiting to be admitted")
             communicator = _communicator_for(membership, env.worker_id, env, server)
         except BaseException:
             if client is not None:

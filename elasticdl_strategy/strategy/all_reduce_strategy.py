@@ -66,6 +66,12 @@ class AllReduceStrategy(distribute_lib.Strategy):
     for the global batch; variables created under ``scope()`` start with rank
     0's values on every worker.
 
+    Constructing it joins the job (:func:`~elasticdl_strategy.runtime.init`). A
+    worker joining a job that is already training returns once registered and
+    is admitted at the members' next commit while it builds its model; what
+    needs the membership (``num_replicas_in_sync``, collectives, the elastic
+    sync) waits for the admission.
+
     Each replica runs on one GPU when TensorFlow sees one, else on the CPU
     (``strategy.extended.worker_devices`` names it; the rule is in
     ``strategy/devices.py``). Configure TensorFlow's GPUs (memory growth, ...)
@@ -116,10 +122,13 @@ class AllReduceStrategy(distribute_lib.Strategy):
             )
         if compression is not None and not (isinstance(compression, str) and compression in bridge.COMPRESSIONS):
             raise ConfigError(f"AllReduceStrategy(compression={compression!r}): expected None, 'fp16' or 'bf16'")
-        runtime.init()
+        # A worker joining a running job is admitted at the members' next commit: it builds its
+        # model meanwhile (what needs the membership waits for it).
+        runtime.init(admit_in_background=True)
         super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense, int(bucket_bytes), compression))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
-        if runtime.rank() != 0 and not log_all_ranks:
+        # A joiner is admitted after the members training already: not rank 0.
+        if (runtime.joined_running_job() or runtime.rank() != 0) and not log_all_ranks:
             import keras
 
             keras.config.disable_interactive_logging()
@@ -180,8 +189,10 @@ def _broadcast_variable(variable: tf.Variable, root: int) -> None:
     initializers are deterministic (zeros) in Keras; for others, call
     ``strategy.broadcast_variables`` after the first step.
     """
+    if not creation_broadcast.enabled():  # first: a joiner still waiting to be admitted need not wait here
+        return
     communicator = runtime.communicator()
-    if communicator.size == 1 or not creation_broadcast.enabled():
+    if communicator.size == 1:
         return
     created_in_function = tf.inside_function()
     with tf.init_scope():

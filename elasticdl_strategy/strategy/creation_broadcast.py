@@ -20,7 +20,7 @@ def enabled() -> bool:
     """False on a worker that joined a running job, and inside :func:`no_broadcast_at_creation`."""
     if _suspended.is_set:
         return False
-    return not runtime.current_worker().joined_running_job
+    return not runtime.joined_running_job()
 
 
 def no_broadcast_at_creation():
