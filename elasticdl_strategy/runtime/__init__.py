@@ -44,6 +44,7 @@ from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
 from elasticdl_strategy.errors import JobFinished, UsageError, WorkerLeft
 from elasticdl_strategy.logs import configure as configure_logging
 from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
+from elasticdl_strategy.transport.options import workers_outnumber_cores
 
 __all__ = [
     "init",
@@ -92,6 +93,9 @@ def init(env: Optional[Mapping[str, str]] = None, admit_in_background: bool = Fa
     :func:`size`, :func:`communicator`, :func:`current_worker`) waits for it
     then, and raises what the admission raised. So building a model overlaps
     the wait (:class:`~elasticdl_strategy.AllReduceStrategy` asks for it).
+    Not where this host's workers outnumber its cores: there the newcomer's
+    building would take the cores the members train on, while they wait for it
+    anyway once it is admitted (``benchmarks/recovery.py``: its join took longer).
 
     Raises:
         ConfigError: the environment is invalid.
@@ -116,11 +120,12 @@ def init(env: Optional[Mapping[str, str]] = None, admit_in_background: bool = Fa
             return
         worker_id = parsed.worker_id
         configure_logging(lambda: _describe_worker(worker_id), env)
+        crowded = workers_outnumber_cores(env)
         admission = _admission = _Admission(parsed)
     _leave_when_the_program_ends()
     try:
         _wait(admission.registered)
-        if admission.error is None and admission.joins_running_job and admit_in_background:
+        if admission.error is None and admission.joins_running_job and admit_in_background and not crowded:
             return
         _wait_for_admission()
     except BaseException:

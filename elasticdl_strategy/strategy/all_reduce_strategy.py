@@ -70,7 +70,8 @@ class AllReduceStrategy(distribute_lib.Strategy):
     worker joining a job that is already training returns once registered and
     is admitted at the members' next commit while it builds its model; what
     needs the membership (``num_replicas_in_sync``, collectives, the elastic
-    sync) waits for the admission.
+    sync) waits for the admission. (Where the host's workers outnumber its
+    cores it returns once admitted: its building would slow the members.)
 
     Each replica runs on one GPU when TensorFlow sees one, else on the CPU
     (``strategy.extended.worker_devices`` names it; the rule is in

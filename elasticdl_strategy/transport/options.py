@@ -121,6 +121,11 @@ def _workers_on_host(env: Mapping[str, str]) -> int:
         return 1
 
 
+def workers_outnumber_cores(env: Mapping[str, str]) -> bool:
+    """Whether this host's worker slots (``EDL_LOCAL_SIZE``) outnumber the cores this process may use."""
+    return _workers_on_host(env) > len(os.sched_getaffinity(0))
+
+
 @dataclasses.dataclass(frozen=True)
 class TransportOptions:
     """How workers talk to each other.
@@ -282,7 +287,7 @@ class TransportOptions:
                     kwargs[name] = kind(env[var])
                 except ValueError:
                     raise ConfigError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
-        if _workers_on_host(env) > len(os.sched_getaffinity(0)):
+        if workers_outnumber_cores(env):
             kwargs.setdefault("spin_yield", True)  # a spin that does not yield takes the core the peer needs
             kwargs.setdefault("spin_us", OVERSUBSCRIBED_SPIN_US if kwargs["spin_yield"] else 0.0)
         return cls(**kwargs)

@@ -1,6 +1,7 @@
 """A worker joining a running job returns from ``runtime.init(admit_in_background=True)`` once
 registered, and is admitted at the members' next commit in the background."""
 
+import os
 import threading
 
 import numpy as np
@@ -95,3 +96,17 @@ def test_a_joiner_shut_down_before_its_admission_stops_waiting_and_is_not_admitt
     wait_for(lambda: [w.worker_id for w in server.coordinator.state.live()] == ["member"], "the joiner to leave", 10)
     response = member.client.commit(1, 1, coordinator_pb2.DataPosition(), [], timeout=5)
     assert response.membership_version == 1 and _members(server) == ["member"]
+
+
+def test_where_the_hosts_workers_outnumber_its_cores_a_joiner_returns_only_once_admitted(running_job):
+    # Building there would take the cores the members train on, while they wait for it anyway.
+    server, env, member = running_job
+    crowded = {**env, "EDL_LOCAL_SIZE": str(len(os.sched_getaffinity(0)) + 1)}
+    thread, errors = _init_in_thread(crowded)
+    wait_for(lambda: "joiner" in [w.worker_id for w in server.coordinator.state.live()], "the joiner to register")
+    thread.join(0.5)
+    assert thread.is_alive()  # registered, not admitted: init waits
+    member.client.commit(1, 1, coordinator_pb2.DataPosition(), [], timeout=5)
+    thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    assert runtime.current_worker().membership.version == 2 and runtime.joined_running_job()
