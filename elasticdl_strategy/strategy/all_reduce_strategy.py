@@ -41,7 +41,7 @@ from elasticdl_strategy.strategy.tf_compat import (
 logger = logging.getLogger(__name__)
 
 # What a traced step calls of this library (runtime.size(), the bridge, ...) is plain Python to it:
-# AutoGraph converting it took ~0.2 s of a process's first trace (a joining worker's first step).
+# AutoGraph converting it took ~0.16 s of a process's first trace (a joining worker's first step).
 exclude_from_autograph(__name__.partition(".")[0])
 
 
@@ -128,7 +128,7 @@ class AllReduceStrategy(distribute_lib.Strategy):
         runtime.init(admit_in_background=True)
         super().__init__(_AllReduceExtended(self, timeout, sparse_as_dense, int(bucket_bytes), compression))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("AllReduceStrategy")
-        # A joiner is admitted after the members training already: not rank 0.
+        # A joiner is admitted after the members already training: never rank 0 then.
         if (runtime.joined_running_job() or runtime.rank() != 0) and not log_all_ranks:
             import keras
 
