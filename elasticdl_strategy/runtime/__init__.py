@@ -174,6 +174,10 @@ class _Admission:
             self.done.set()
 
 
+def _not_initialized() -> UsageError:
+    return UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+
+
 def _wait(event: threading.Event) -> None:
     while not event.wait(_WAIT_SLICE_S):
         pass
@@ -184,7 +188,7 @@ def _wait_for_admission() -> Worker:
     global _admission
     admission = _admission
     if admission is None:
-        raise UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+        raise _not_initialized()
     _wait(admission.done)  # bounded by the admission's own deadline (a standby waits for a place)
     if admission.error is not None:
         with _lock:
@@ -205,7 +209,7 @@ def joined_running_job() -> bool:
         return worker.joined_running_job
     admission = _admission
     if admission is None:
-        raise UsageError("elasticdl_strategy.runtime is not initialized: call runtime.init() first")
+        raise _not_initialized()
     return admission.joins_running_job
 
 
