@@ -11,6 +11,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import grpc
 
 from elasticdl_strategy.coordinator.membership import Membership
+from elasticdl_strategy.coordinator.params import MAX_MEMBERSHIP_WAIT_S
 from elasticdl_strategy.errors import (
     AuthenticationError,
     CollectiveTimeoutError,
@@ -53,17 +54,25 @@ class CoordinatorClient:
         self.heartbeat_interval_s = 1.0
         self._stop = threading.Event()
         self._heartbeats: Optional[threading.Thread] = None
+        # interrupt_wait() and the wait for a membership hand these over without a lock (a signal
+        # handler may interrupt the waiting thread itself): each writes its own, then reads the other's.
+        self._interrupted = False
+        self._long_poll: Optional[grpc.Future] = None
 
     def _call(self, method, request, timeout: float):
         try:
             return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise AuthenticationError(
-                    f"the coordinator at {self.address} rejected worker {self.worker_id}: {e.details()} "
-                    "(check EDL_JOB_TOKEN)"
-                ) from None
-            raise
+            raise self._rejected(e) from None
+
+    def _rejected(self, error: grpc.RpcError) -> Exception:
+        """``error``, or an AuthenticationError where the coordinator rejected the job token."""
+        if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return error
+        return AuthenticationError(
+            f"the coordinator at {self.address} rejected worker {self.worker_id}: {error.details()} "
+            "(check EDL_JOB_TOKEN)"
+        )
 
     def register(
         self,
@@ -120,8 +129,8 @@ class CoordinatorClient:
         timeout counts only while too few workers are registered.
 
         Returns:
-            the membership, or ``None`` as soon as ``stop()`` is true (checked
-            at least every second).
+            the membership, or ``None`` when ``stop()`` is true: checked at
+            the start, and at once when :meth:`interrupt_wait` is called.
 
         Raises:
             RendezvousTimeoutError: none was published within ``timeout``;
@@ -129,7 +138,6 @@ class CoordinatorClient:
         """
         deadline, pauses = time.monotonic() + timeout, backoff()
         last = None
-        longest_poll = 30.0 if stop is None else 1.0
         while True:
             if stop is not None and stop():
                 return None
@@ -137,11 +145,15 @@ class CoordinatorClient:
             request = coordinator_pb2.GetMembershipRequest(
                 worker_id=self.worker_id,
                 after_version=after_version,
-                wait_s=max(0.0, min(remaining, longest_poll)),
+                wait_s=max(0.0, min(remaining, MAX_MEMBERSHIP_WAIT_S)),
                 incarnation=self.incarnation,
             )
             try:
-                last = self._call(self._stub.GetMembership, request, request.wait_s + _RPC_TIMEOUT_S)
+                response = self._poll_membership(request)
+                if response is None:  # interrupted: check stop() again
+                    self._interrupted = False
+                    continue
+                last = response
                 if last.replaced:
                     raise WorkerReplaced(
                         f"worker {self.worker_id}: a new process registered under this worker id (this one was "
@@ -174,6 +186,33 @@ class CoordinatorClient:
                     f"registered, at least {last.min_workers} needed (raise EDL_RENDEZVOUS_TIMEOUT, "
                     "or start more workers / lower --min-workers)"
                 )
+
+    def interrupt_wait(self) -> None:
+        """Makes the wait for a membership in progress (if any) check its ``stop()`` at once.
+
+        Make ``stop()`` true first. Safe from any thread and from a signal handler.
+        """
+        self._interrupted = True
+        call = self._long_poll
+        if call is not None:
+            call.cancel()
+
+    def _poll_membership(self, request: coordinator_pb2.GetMembershipRequest):
+        """One long poll: the coordinator's answer, or ``None`` if :meth:`interrupt_wait` cut it short."""
+        call = self._stub.GetMembership.future(
+            request, timeout=request.wait_s + _RPC_TIMEOUT_S, metadata=self._metadata
+        )
+        self._long_poll = call
+        if self._interrupted:  # interrupt_wait() came before the call was visible to it
+            call.cancel()
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            return None
+        except grpc.RpcError as e:
+            raise self._rejected(e) from None
+        finally:
+            self._long_poll = None
 
     def start_heartbeats(
         self, current_version: Callable[[], int], on_response: Callable[[coordinator_pb2.HeartbeatResponse], None]

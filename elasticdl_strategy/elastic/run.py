@@ -79,7 +79,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     def wrapper(state: State, *args, **kwargs) -> T:
         worker = runtime.current_worker()
         worker.enter_elastic_loop()
-        with _leave_on_sigterm(state):
+        with _leave_on_sigterm(state, worker):
             reset: Optional[_Reset] = None  # None: the first entry
             while True:
                 try:
@@ -259,14 +259,17 @@ def _suspects(failure: CommunicationError, worker) -> List[str]:
 class _leave_on_sigterm:
     """While training, SIGTERM asks for a graceful leave at the next commit instead of killing."""
 
-    def __init__(self, state: State):
+    def __init__(self, state: State, worker):
         self.state = state
+        self.worker = worker
         self.previous = None
 
     def _handle(self, signum, frame) -> None:
         if not self.state.leave_requested:
             logger.info("SIGTERM: this worker leaves the job at the next commit")
         self.state.leave_requested = True
+        if self.worker.client is not None:  # a wait for a new membership (_recover) leaves at once
+            self.worker.client.interrupt_wait()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -43,7 +43,7 @@ from elasticdl_strategy.collective.p2p import Request
 from elasticdl_strategy.environment import COORDINATOR_ADDR, WorkerEnvironment
 from elasticdl_strategy.errors import JobFinished, UsageError, WorkerLeft
 from elasticdl_strategy.logs import configure as configure_logging
-from elasticdl_strategy.runtime.worker import ElasticLoop, Worker
+from elasticdl_strategy.runtime.worker import ElasticLoop, Registration, Worker
 from elasticdl_strategy.transport.options import workers_outnumber_cores
 
 __all__ = [
@@ -144,18 +144,24 @@ class _Admission:
         self.done = threading.Event()
         self.joins_running_job = False
         self.error: Optional[BaseException] = None
-        self.stopped = False  # set under _lock by shutdown(): the wait gives up, a late worker leaves
+        self.stopped = False  # set under _lock by stop(): the wait gives up, a late worker leaves
+        self._registration: Optional[Registration] = None
         self.thread = threading.Thread(target=self._join, args=(env,), name="edl-admission", daemon=True)
         self.thread.start()
 
-    def _on_registered(self, joins_running_job: bool) -> None:
-        self.joins_running_job = joins_running_job
-        self.registered.set()
+    def stop(self) -> None:
+        """Gives up the wait for a membership (call under ``_lock``); see ``thread`` for when it ended."""
+        self.stopped = True
+        if self._registration is not None:
+            self._registration.interrupt()
 
     def _join(self, env: WorkerEnvironment) -> None:
         global _worker
         try:
-            worker = Worker.join(env, on_registered=self._on_registered, stop=lambda: self.stopped)
+            self._registration = Registration(env)
+            self.joins_running_job = self._registration.joins_running_job
+            self.registered.set()
+            worker = self._registration.admit(stop=lambda: self.stopped)
         except JobFinished as e:
             logger.info("%s: this standby leaves", e)
             self.error = WorkerLeft(f"{e}: this standby leaves")
@@ -166,7 +172,7 @@ class _Admission:
                 admitted = not self.stopped
                 if admitted:
                     _worker = worker
-            if not admitted:  # shutdown() came first: it found no worker to shut down
+            if not admitted:  # stop() came first: shutdown() found no worker to shut down
                 worker.shutdown(finished=False)
                 self.error = WorkerLeft("shut down before it was admitted")
         finally:
@@ -257,11 +263,11 @@ def shutdown(finished: bool = True) -> None:
         worker, _worker = _worker, None
         admission, _admission = _admission, None
         if admission is not None:
-            admission.stopped = True
+            admission.stop()
     if worker is not None:
         worker.shutdown(finished=finished)
     elif admission is not None:
-        admission.thread.join(timeout=5.0)  # gives up within a second (its stop() is polled)
+        admission.thread.join(timeout=5.0)  # its wait ends at once; leaving takes at most 2 s
 
 
 def is_initialized() -> bool:

@@ -106,62 +106,14 @@ class Worker:
         return cls(membership, "local", Communicator(p2p))
 
     @classmethod
-    def join(
-        cls,
-        env: WorkerEnvironment,
-        on_registered: Optional[Callable[[bool], None]] = None,
-        stop: Optional[Callable[[], bool]] = None,
-    ) -> "Worker":
+    def join(cls, env: WorkerEnvironment) -> "Worker":
         """Registers, waits for a membership with this worker and connects to it.
 
-        ``on_registered(joins_running_job)`` is called once registered; ``stop()``, polled at least
-        every second while waiting, gives up the wait when true.
-
         Raises:
-            WorkerLeft: ``stop()`` became true before the admission.
-            RendezvousTimeoutError, JobFinished, WorkerReplaced: from the wait for a membership.
+            RendezvousError, RendezvousTimeoutError, AuthenticationError, JobFinished,
+                WorkerReplaced: see :class:`Registration`.
         """
-        tune_for_streaming()
-        server = WorkerServer(f"{env.bind_host}:{env.peer_port}", env.token, env.transport, data_port=env.data_port)
-        client = None
-        worker: Optional[Worker] = None
-        try:
-            address = f"{env.peer_host}:{server.port}"
-            client = CoordinatorClient(
-                env.coordinator_address, env.worker_id, env.token, env.transport, host=env.host_id
-            )
-            registered = client.register(address, timeout=env.rendezvous_timeout_s)
-            if on_registered is not None:
-                on_registered(registered.joins_running_job)
-
-            # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
-            def on_heartbeat(response) -> None:
-                if worker is not None:
-                    worker._on_heartbeat(response)
-                elif response.replaced:
-                    pass  # the wait for a membership below raises WorkerReplaced
-                elif not response.known:  # forgotten while waiting (coordinator restart): register again
-                    client.register(address, timeout=env.rendezvous_timeout_s)
-
-            client.start_heartbeats(lambda: worker.membership.version if worker else 0, on_heartbeat)
-            membership = client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s, stop=stop)
-            if membership is None:
-                raise WorkerLeft(f"worker {env.worker_id} stopped waiting to be admitted")
-            communicator = _communicator_for(membership, env.worker_id, env, server)
-        except BaseException:
-            if client is not None:
-                client.leave("failed to join")
-                client.close()
-            server.stop(0)
-            raise
-        worker = cls(membership, env.worker_id, communicator, server, client, env, registered.joins_running_job)
-        logger.info(
-            "joined as rank %d of %d (membership version %d)",
-            communicator.rank,
-            membership.size,
-            membership.version,
-        )
-        return worker
+        return Registration(env).admit()
 
     @property
     def client(self) -> Optional[CoordinatorClient]:
@@ -283,8 +235,9 @@ class Worker:
                 published (a switch agreed at a commit).
             timeout: how long to wait for a membership with at least
                 ``--min-workers`` (default: the rendezvous timeout).
-            stop: gives up waiting as soon as it returns true (the worker was
-                asked to leave while too few workers remain).
+            stop: gives up waiting when it returns true (the worker was asked
+                to leave while too few workers remain); checked at the start and
+                whenever ``client.interrupt_wait()`` is called.
 
         Returns:
             seconds the re-formation took, or ``None`` when ``stop`` ended the
@@ -339,6 +292,98 @@ class Worker:
             self._client.close()
         if self._server is not None:
             self._server.stop(grace=1.0)
+
+
+class Registration:
+    """A worker registered with the coordinator (its server up, heartbeating), not yet a member.
+
+    :meth:`admit` waits for a membership with it and returns the :class:`Worker`;
+    :meth:`interrupt` ends that wait early, from another thread. Example::
+
+        registration = Registration(WorkerEnvironment.from_env(os.environ))
+        if registration.joins_running_job:
+            ...  # its state will come from the members (elastic sync)
+        worker = registration.admit()
+
+    Raises (from the constructor):
+        RendezvousError: the coordinator could not be reached in time, or refused the worker.
+        AuthenticationError: the coordinator rejected the job token.
+    """
+
+    def __init__(self, env: WorkerEnvironment):
+        tune_for_streaming()
+        self._env = env
+        self._server = WorkerServer(
+            f"{env.bind_host}:{env.peer_port}", env.token, env.transport, data_port=env.data_port
+        )
+        self._client: Optional[CoordinatorClient] = None
+        self._worker: Optional[Worker] = None
+        try:
+            self._address = f"{env.peer_host}:{self._server.port}"
+            self._client = CoordinatorClient(
+                env.coordinator_address, env.worker_id, env.token, env.transport, host=env.host_id
+            )
+            registered = self._client.register(self._address, timeout=env.rendezvous_timeout_s)
+            # True when the job already trains: this worker's state will come from the members.
+            self.joins_running_job = registered.joins_running_job
+            # Heartbeat while waiting too, or a long rendezvous would look like a dead worker.
+            self._client.start_heartbeats(
+                lambda: self._worker.membership.version if self._worker else 0, self._on_heartbeat
+            )
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _on_heartbeat(self, response) -> None:
+        if self._worker is not None:
+            self._worker._on_heartbeat(response)
+        elif response.replaced:
+            pass  # the wait for a membership in admit() raises WorkerReplaced
+        elif not response.known and self._client is not None:  # forgotten while waiting (coordinator restart)
+            self._client.register(self._address, timeout=self._env.rendezvous_timeout_s)
+
+    def admit(self, stop: Optional[Callable[[], bool]] = None) -> "Worker":
+        """Waits for a membership with this worker and connects to its peers.
+
+        ``stop()`` is checked when the wait starts and whenever :meth:`interrupt` is called;
+        true gives up the wait. On any failure the worker leaves the job.
+
+        Raises:
+            WorkerLeft: ``stop()`` was true before the admission.
+            RendezvousTimeoutError: too few workers registered within the rendezvous timeout.
+            JobFinished: the job finished while this worker waited (a standby).
+            WorkerReplaced: a new process registered under this worker's id.
+        """
+        assert self._client is not None, "admit() after a failed registration"
+        env = self._env
+        try:
+            membership = self._client.wait_for_membership(after_version=0, timeout=env.rendezvous_timeout_s, stop=stop)
+            if membership is None:
+                raise WorkerLeft(f"worker {env.worker_id} stopped waiting to be admitted")
+            communicator = _communicator_for(membership, env.worker_id, env, self._server)
+        except BaseException:
+            self._abandon()
+            raise
+        worker = Worker(
+            membership, env.worker_id, communicator, self._server, self._client, env, self.joins_running_job
+        )
+        self._worker = worker
+        logger.info(
+            "joined as rank %d of %d (membership version %d)", communicator.rank, membership.size, membership.version
+        )
+        return worker
+
+    def interrupt(self) -> None:
+        """Makes a wait in :meth:`admit` check its ``stop()`` now (make it true first)."""
+        if self._client is not None:
+            self._client.interrupt_wait()
+
+    def _abandon(self) -> None:
+        """Leaves the job and stops the server: this registration ends without a worker."""
+        if self._client is not None:
+            self._client.leave("failed to join")
+            self._client.close()
+        self._server.stop(0)
 
 
 def _communicator_for(

@@ -19,6 +19,7 @@ from elasticdl_strategy.transport.endpoints import open_aio_channel
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import coordinator_pb2 as pb
 from elasticdl_strategy.transport.protos import coordinator_pb2_grpc as pb_grpc
+from tests.conditions import wait_for
 
 
 class FakeClock:
@@ -258,6 +259,41 @@ def test_waiting_for_min_workers_times_out_with_a_clear_error(served):
             client.wait_for_membership(0, timeout=1.5)
         assert time.monotonic() - start < 5
     finally:
+        client.close()
+
+
+def test_a_stoppable_wait_long_polls_and_interrupt_wait_ends_it_at_once(served, monkeypatch):
+    # Waiting with a stop() must not cost a poll a second per worker (1,000 workers, 1,000 calls a
+    # second): stop() is checked when interrupt_wait() is called instead.
+    server, token = served
+    polls = []
+    handle = server.coordinator.handle
+
+    def counting(event):
+        if isinstance(event, events.PollOpened):
+            polls.append(event)
+        return handle(event)
+
+    monkeypatch.setattr(server.coordinator, "handle", counting)
+    client = CoordinatorClient(f"127.0.0.1:{server.port}", "lonely", token, TransportOptions())
+    client.start_heartbeats(lambda: 0, lambda response: None)  # stays registered while it waits
+    stopped, results = threading.Event(), []
+    waiting = threading.Thread(target=lambda: results.append(client.wait_for_membership(0, 60, stopped.is_set)))
+    try:
+        client.register("127.0.0.1:1", timeout=5)
+        waiting.start()
+        wait_for(lambda: polls, "the first poll", 5)
+        time.sleep(2.5)  # the window in which a polling wait would have asked again
+        assert len(polls) == 1
+        stopped.set()
+        client.interrupt_wait()
+        started = time.monotonic()
+        waiting.join(5)
+        assert results == [None] and time.monotonic() - started < 1.0
+    finally:
+        stopped.set()
+        client.interrupt_wait()
+        waiting.join(5)
         client.close()
 
 
