@@ -2,12 +2,17 @@
 
 Usage::
 
-    python benchmarks/train_step.py [--models mlp,cnn] [--frameworks single,tf,ours]
+    python benchmarks/train_step.py [--models mlp,cnn] [--frameworks single,share,tf,ours]
                                     [--batch 256] [--steps 30] [--repeats 3] [--warmup 5] [--json out.json]
                                     [--bucket-mib 64] [--overlap on]
 
 Setups (global batch B in every one):
     single  one process, no strategy, batch B
+    share   N processes started by our launcher, each training its own model on one worker's share (batch
+            B/N, the launcher's threads: cores / N) with no strategy and nothing exchanged, side by side
+            (they only line up their timed windows with ``runtime.barrier``): the most data parallelism can
+            reach on this machine, the ceiling for ours and MWMS. Two processes computing at once can be
+            slower than one alone (shared caches, memory bandwidth, a VM's cores): this counts that in
     tf      ``tf.distribute.MultiWorkerMirroredStrategy`` (RING, CPU), N local workers from TF_CONFIG, B/N each
     ours    ``elasticdl_strategy.AllReduceStrategy``, N workers started by ``python -m elasticdl_strategy run``
     ours-socket, ours-grpc  the same without shared memory (payloads on the data socket, the path
@@ -78,7 +83,7 @@ from setups import Command, make_strategy, run_processes, setup_commands  # noqa
 MIB = 1 << 20
 
 MODELS = ("mlp", "cnn")
-FRAMEWORKS = ("single", "tf", "ours", "ours-socket", "ours-grpc")
+FRAMEWORKS = ("single", "share", "tf", "ours", "ours-socket", "ours-grpc")
 OURS = ("ours", "ours-socket", "ours-grpc")
 # ours: the defaults (shared memory on one host); ours-socket: the data socket, the path between hosts;
 # ours-grpc: every byte over gRPC.
@@ -127,6 +132,7 @@ def _switch_list(text: str) -> List[bool]:
 def setup_title(framework: str, workers: int) -> str:
     return {
         "single": "single process",
+        "share": f"{workers} shares side by side, no all-reduce",
         "tf": f"TF MultiWorkerMirroredStrategy, N={workers}",
         "ours": f"ours (AllReduceStrategy), N={workers}",
         "ours-socket": f"ours, data socket only, N={workers}",
@@ -247,10 +253,13 @@ def make_train_step(name: str, strategy, global_batch: int):
     return model, run_step
 
 
-def window_seconds(call: Callable[[], object], steps: int, repeats: int) -> List[float]:
-    """Seconds per call in each of ``repeats`` windows of ``steps`` calls."""
+def window_seconds(
+    call: Callable[[], object], steps: int, repeats: int, line_up: Callable[[], object] = lambda: None
+) -> List[float]:
+    """Seconds per call in each of ``repeats`` windows of ``steps`` calls; ``line_up()`` before each window."""
     seconds = []
     for _ in range(repeats):
+        line_up()
         start = time.perf_counter()
         for _ in range(steps):
             call()
@@ -315,12 +324,18 @@ def measure_model(framework: str, name: str, strategy, args: argparse.Namespace)
     if framework in OURS:
         return measure_ours(name, strategy, args)
     model, run_step = make_train_step(name, strategy, args.batch)
-    features, labels = local_batch(strategy, *synthetic_batch(name, args.batch))
+    rows = args.batch // args.workers if framework == "share" else args.batch
+    features, labels = local_batch(strategy, *synthetic_batch(name, rows))
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     for _ in range(args.warmup):
         run_step(features, labels)
     result = {"params": params}
-    result["step_s"] = window_seconds(lambda: run_step(features, labels), args.steps, args.repeats)
+    line_up = lambda: None  # noqa: E731
+    if framework == "share":
+        from elasticdl_strategy import runtime
+
+        line_up = runtime.barrier
+    result["step_s"] = window_seconds(lambda: run_step(features, labels), args.steps, args.repeats, line_up)
     return result
 
 
@@ -387,7 +402,13 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
 
 def worker_main(args: argparse.Namespace) -> int:
     """Measures every model; rank 0 rewrites ``args.results`` after each one."""
-    strategy, rank, _ = make_strategy(args.worker, bucket_bytes=bucket_bytes(args.bucket_mib[0]))
+    if args.worker == "share":
+        from elasticdl_strategy import runtime
+
+        runtime.init()
+        strategy, rank = None, runtime.rank()
+    else:
+        strategy, rank, _ = make_strategy(args.worker, bucket_bytes=bucket_bytes(args.bucket_mib[0]))
     report: Dict[str, dict] = {"models": {}, "errors": {}}
     for name in args.models:
         try:
@@ -397,7 +418,7 @@ def worker_main(args: argparse.Namespace) -> int:
             report["errors"][name] = describe(e)
         if rank == 0:
             write_json_atomically(args.results, report)
-    if args.worker in OURS:
+    if args.worker in (*OURS, "share"):
         from elasticdl_strategy import runtime
 
         runtime.barrier()  # nobody leaves while others still communicate
@@ -424,6 +445,8 @@ class Result:
 def worker_commands(framework: str, workers: int, worker_args: List[str]) -> List[Command]:
     """(argv, env) of each process to start for one setup (MWMS with the thread counts our launcher sets)."""
     me = [sys.executable, os.path.abspath(__file__), "--worker", framework, *worker_args]
+    if framework == "share":
+        return setup_commands("ours", workers, me)
     return setup_commands("ours" if framework in OURS else framework, workers, me, OUR_PATH_ENV.get(framework))
 
 
@@ -492,6 +515,13 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
     if ours is None or ours.error:
         return
     print("Ratios (samples/s of ours / of the other; > 1 means ours is faster):")
+    share, single = by_framework.get("share"), by_framework.get("single")
+    if share is not None and single is not None and not share.error and not single.error:
+        print(
+            f"ceiling of data parallelism here ({args.workers} shares side by side, no all-reduce, vs single process): "
+            f"{single.median_ms() / share.median_ms():.2f}×; ours reaches {share.median_ms() / ours.median_ms():.2f}× "
+            "of that ceiling"
+        )
     for mine in OURS:
         me = by_framework.get(mine)
         if me is None or me.error:
