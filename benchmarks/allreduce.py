@@ -4,15 +4,17 @@
 Usage::
 
     python benchmarks/allreduce.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--workers 2,4] [--repeats 20]
-                                   [--frameworks shm,socket,grpc,gloo,tf,mpi,mpi-tcp] [--json out.json]
+                                   [--frameworks shm,lanes,socket,grpc,gloo,tf,mpi,mpi-tcp] [--json out.json]
                                    [--profile PREFIX [--profile-size 64MiB] [--profile-workers 2]]
                                    [--mpi-python /usr/bin/python3]
 
 Frameworks:
     shm     ``runtime.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
-            with the defaults: payloads between same-host peers go through the shared-memory arena,
+            with the defaults: all-reduces up to 256 KiB go through the host segment (every worker
+            of the host maps it), payloads between same-host peers through the shared-memory arena,
             frames over the data socket. Checked: from the first size >= 256 KiB on, rank 0's
             ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory not used" otherwise)
+    lanes   the same with ``EDL_HOST_SEGMENT_BYTES=0``: small all-reduces as messages in the arenas' lanes
     socket  the same with ``EDL_SHARED_MEMORY=0``: payloads on the direct data socket, the path
             between hosts (``data_socket_peers`` must be non-empty, ``shared_memory_peers`` empty)
     grpc    ``EDL_SHARED_MEMORY=0 EDL_DATA_SOCKET=0``: every byte over gRPC (both lists empty)
@@ -133,11 +135,13 @@ from _common import (  # noqa: E402
     write_json_atomically,
 )
 
-FRAMEWORKS = ("shm", "socket", "grpc", "gloo", "tf", "mpi", "mpi-tcp")
-OURS = ("shm", "socket", "grpc")  # our data paths; the ratio lines compare these with the others
+FRAMEWORKS = ("shm", "lanes", "socket", "grpc", "gloo", "tf", "mpi", "mpi-tcp")
+OURS = ("shm", "lanes", "socket", "grpc")  # our data paths; the ratio lines compare these with the others
+SHARED_MEMORY_PATHS = ("shm", "lanes")
 # What each of our data paths sets in the workers' environment.
 OUR_PATH_ENV = {
     "shm": {"EDL_SHARED_MEMORY": "1", "EDL_DATA_SOCKET": "1"},
+    "lanes": {"EDL_SHARED_MEMORY": "1", "EDL_DATA_SOCKET": "1", "EDL_HOST_SEGMENT_BYTES": "0"},
     "socket": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "1"},
     "grpc": {"EDL_SHARED_MEMORY": "0", "EDL_DATA_SOCKET": "0"},
 }
@@ -270,12 +274,12 @@ class OursBackend:
             return None  # nothing is sent
         p2p = self._c.communicator().p2p
         shm, sockets = p2p.shared_memory_peers, p2p.data_socket_peers
-        if self._path != "shm" and shm:
+        if self._path not in SHARED_MEMORY_PATHS and shm:
             return f"shared memory used by the {self._path} path (to ranks {shm})"
         if self._path == "grpc" and sockets:
             return f"data sockets used with EDL_DATA_SOCKET=0 (to ranks {sockets})"
         self._large_seen = self._large_seen or nbytes >= SHM_CHECK_BYTES
-        if self._large_seen and self._path == "shm" and not shm:
+        if self._large_seen and self._path in SHARED_MEMORY_PATHS and not shm:
             return "shared memory not used (shared_memory_peers is empty)"
         if self._large_seen and self._path == "socket" and not sockets:
             return "data sockets not used (data_socket_peers is empty)"
@@ -455,6 +459,7 @@ class MpiBackend:
 
 BACKENDS: Dict[str, Callable[[], Backend]] = {
     "shm": lambda: OursBackend("shm"),
+    "lanes": lambda: OursBackend("lanes"),
     "socket": lambda: OursBackend("socket"),
     "grpc": lambda: OursBackend("grpc"),
     "gloo": GlooBackend,

@@ -16,11 +16,16 @@ RUN_TIMEOUT_S = 60.0
 
 
 def transport_options(transport: str, **kwargs) -> TransportOptions:
-    """Test options whose payloads go through ``transport``: "shared-memory", "data-socket" or "grpc"."""
-    assert transport in ("shared-memory", "data-socket", "grpc"), transport
+    """Test options whose payloads go through ``transport``: "host-segment" (shared memory, small
+    all-reduces in a host segment: the default on one host), "shared-memory" (arenas and lanes
+    only), "data-socket" or "grpc"."""
+    assert transport in ("host-segment", "shared-memory", "data-socket", "grpc"), transport
     kwargs.setdefault("timeout_s", 20.0)
     kwargs.setdefault("connect_timeout_s", 5.0)
-    return TransportOptions(shared_memory=transport == "shared-memory", data_socket=transport != "grpc", **kwargs)
+    if transport != "host-segment":
+        kwargs.setdefault("host_segment_bytes", 0)
+    shared_memory = transport in ("host-segment", "shared-memory")
+    return TransportOptions(shared_memory=shared_memory, data_socket=transport != "grpc", **kwargs)
 
 
 class ThreadCluster:

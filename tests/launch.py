@@ -15,16 +15,18 @@ WORKERS_DIR = os.path.join(os.path.dirname(__file__), "workers")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# The payload paths between two workers on one host: what each selects in the workers' environment.
-TRANSPORTS = ("shared-memory", "data-socket", "grpc")
+# The payload paths between workers on one host: what each selects in the workers' environment
+# ("host-segment": shared memory with small all-reduces in a host segment, the default).
+TRANSPORTS = ("host-segment", "shared-memory", "data-socket", "grpc")
 
 
 def transport_env(transport: str) -> Dict[str, str]:
     """Worker environment selecting ``transport`` (one of :data:`TRANSPORTS`)."""
     assert transport in TRANSPORTS, transport
     return {
-        "EDL_SHARED_MEMORY": "1" if transport == "shared-memory" else "0",
+        "EDL_SHARED_MEMORY": "1" if transport in ("host-segment", "shared-memory") else "0",
         "EDL_DATA_SOCKET": "0" if transport == "grpc" else "1",
+        "EDL_HOST_SEGMENT_BYTES": str(256 << 10) if transport == "host-segment" else "0",
     }
 
 

@@ -16,12 +16,13 @@ import functools
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from elasticdl_strategy.collective import compression as wire_compression
-from elasticdl_strategy.collective import cost_model, direct, hierarchical, recursive_doubling, ring
+from elasticdl_strategy.collective import cost_model, direct, hierarchical, host_allreduce, recursive_doubling, ring
 from elasticdl_strategy.collective.dtypes import as_supported_array, check_reduce_op, dtype_name
 from elasticdl_strategy.collective.p2p import COLLECTIVE_CHANNEL, PointToPoint
 from elasticdl_strategy.errors import (
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 # Broadcasts up to this size go straight from the root to every rank; larger
 # ones are scattered and then all-gathered around the ring.
 _DIRECT_BROADCAST_BYTES = 256 << 10
+_NOTHING = np.zeros(0, np.uint8)  # what a barrier through the host segment reduces
 _ALLREDUCE = {"direct": direct.allreduce, "recursive_doubling": recursive_doubling.allreduce, "ring": ring.allreduce}
 
 
@@ -58,8 +60,13 @@ def _describe(d: peer_pb2.CollectiveDescriptor) -> str:
     return f"{d.op}({', '.join(parts)})"
 
 
+def _as_number(mine: peer_pb2.CollectiveDescriptor, theirs: peer_pb2.CollectiveDescriptor) -> str:
+    return f" as its collective #{theirs.sequence}" if theirs.sequence != mine.sequence else ""
+
+
 def _differences(mine: peer_pb2.CollectiveDescriptor, theirs: peer_pb2.CollectiveDescriptor) -> List[str]:
-    differs = [f for f in ("op", "dtype", "reduce_op", "root", "compression") if getattr(mine, f) != getattr(theirs, f)]
+    fields = ("sequence", "op", "dtype", "reduce_op", "root", "compression")
+    differs = [f for f in fields if getattr(mine, f) != getattr(theirs, f)]
     if list(mine.shape) != list(theirs.shape):
         differs.append("shape")
     return differs
@@ -84,6 +91,9 @@ class Communicator:
         # Which ranks share a host: from their addresses unless given (tests stand in for hosts).
         groups = hierarchical.host_groups(hosts if hosts is not None else [host_of(a) for a in p2p.addresses])
         self._host_groups = groups if p2p.options.hierarchical and hierarchical.applies(groups) else None
+        # Small all-reduces of ranks all on one host go through a host segment, set up by the first.
+        self._host_segment_possible = self.size > 1 and host_allreduce.possible(p2p.options, len(groups) == 1)
+        self._host_segment: Optional[host_allreduce.HostAllreduce] = None
         self._lock = threading.Lock()
         self._sequence = 0
         self._current: Optional[peer_pb2.CollectiveDescriptor] = None
@@ -103,6 +113,11 @@ class Communicator:
     @property
     def size(self) -> int:
         return self.p2p.size
+
+    @property
+    def collectives_called(self) -> int:
+        """How many collectives this rank has called on this communicator."""
+        return self._sequence
 
     @property
     def failure(self) -> Optional[CommunicationError]:
@@ -127,6 +142,9 @@ class Communicator:
         to every peer at once and reduced in rank order (one message latency
         instead of 2(N-1)), or, among many ranks, reduced by recursive doubling
         (log2 N exchanges): :mod:`~elasticdl_strategy.collective.cost_model` picks.
+        Among ranks all on one host, arrays up to ``host_segment_bytes`` (transport
+        options) take one round through a host segment instead, without messages
+        (:mod:`~elasticdl_strategy.collective.host_allreduce`); the same bits.
 
         Args:
             array: any shape, any size (0 included), a supported dtype.
@@ -158,9 +176,10 @@ class Communicator:
             if wire is not None:
                 return self._allreduce_compressed(array, op, ufunc, out, timeout, wire)
         result = self._output_buffer(array, out)
-        call = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout)
+        segment = self._host_segment_takes(result.nbytes)
+        call = self._begin("allreduce", array.dtype, array.shape, reduce_op=op, timeout=timeout, announce=not segment)
         with self._running(call):
-            if self.size > 1:
+            if self.size > 1 and not (segment and self._through_host_segment(call, result.reshape(-1), ufunc)):
                 algorithm = cost_model.choose(result.nbytes, self.size)
                 if algorithm == "ring" and self._host_groups is not None:
                     hierarchical.allreduce(call, result.reshape(-1), ufunc, self._host_groups)
@@ -170,6 +189,33 @@ class Communicator:
         if op == "mean":
             np.divide(result, self.size, out=result, casting="unsafe")
         return result
+
+    def _host_segment_takes(self, nbytes: int) -> bool:
+        """Whether a collective reducing ``nbytes`` may go through the host segment (if it is set up,
+        or may be); every rank decides alike."""
+        return self._host_segment_possible and nbytes <= self.p2p.options.host_segment_bytes
+
+    def _through_host_segment(self, call: ring.CollectiveCall, flat: np.ndarray, ufunc) -> bool:
+        """All-reduces ``flat`` through the host segment (set up by the first call that may use one,
+        :meth:`_host_segment_takes` said yes, so ``call`` was not announced); False, doing nothing
+        but announce ``call``, when it cannot: then it goes by messages."""
+        note = call.descriptor.SerializeToString()
+        if self._host_segment is None:
+            options = self.p2p.options
+            self._host_segment = host_allreduce.HostAllreduce.agree(
+                call, options.shared_memory_dir, options.host_segment_bytes
+            )
+            if self._host_segment is None:
+                self._host_segment_possible = False
+                return False
+        if not host_allreduce.note_fits(note):
+            self._host_segment.announce(note)
+            return False
+        differing = self._host_segment.allreduce(call, flat, ufunc, note, self._raise_if_aborted, _elsewhere)
+        for src, theirs in differing.items():
+            self._check(call.descriptor, src, peer_pb2.CollectiveDescriptor.FromString(theirs))
+        self._raise_if_aborted()
+        return True
 
     def _allreduce_compressed(self, array, op, ufunc, out, timeout, wire: str) -> np.ndarray:
         result = self._output_buffer(array, out)
@@ -320,9 +366,10 @@ class Communicator:
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Returns once every rank has entered the barrier."""
-        call = self._begin("barrier", None, (), timeout=timeout)
+        segment = self._host_segment_takes(0)
+        call = self._begin("barrier", None, (), timeout=timeout, announce=not segment)
         with self._running(call):
-            if self.size > 1:
+            if self.size > 1 and not (segment and self._through_host_segment(call, _NOTHING, np.maximum)):
                 flags = np.zeros(self.size, np.uint8)
                 ring.allgather(call, flags, ring.even_bounds(self.size, self.size), owned=0)
                 call.finish_sends()
@@ -390,8 +437,20 @@ class Communicator:
     # ---- sequencing, mismatch detection, aborts -------------------------------------------
 
     def _begin(
-        self, op: str, dtype, shape, reduce_op: str = "", root: int = -1, timeout=None, compression: str = ""
+        self,
+        op: str,
+        dtype,
+        shape,
+        reduce_op: str = "",
+        root: int = -1,
+        timeout=None,
+        compression: str = "",
+        announce: bool = True,
     ) -> ring.CollectiveCall:
+        """Starts the next collective: its descriptor, deadline and checks of what peers sent early.
+
+        ``announce``: tell the host segment's ranks (if any) what this rank does now; False for a
+        collective that may go through the segment (it publishes its descriptor there)."""
         timeout = self.timeout_s if timeout is None else timeout
         if not timeout > 0:
             raise UsageError(f"timeout={timeout!r} must be a positive number of seconds")
@@ -400,6 +459,8 @@ class Communicator:
         descriptor.CopyFrom(_descriptor_of(op, dtype, tuple(shape), reduce_op, root, compression))
         descriptor.sequence = self._sequence
         self._sequence += 1
+        if announce and self._host_segment is not None:
+            self._host_segment.announce(descriptor.SerializeToString())
         with self._lock:
             self._current = descriptor
             early = self._early.pop(descriptor.sequence, [])
@@ -409,7 +470,7 @@ class Communicator:
             descriptor,
             now + timeout,
             warn_at=now + self.p2p.options.slow_warning_s,
-            on_slow=lambda request: self._log_slow(descriptor, request),
+            on_slow=lambda peers: self._log_slow(descriptor, peers),
         )
         self._active = call
         for src, theirs in early:
@@ -417,8 +478,8 @@ class Communicator:
         self._raise_if_aborted()
         return call
 
-    def _log_slow(self, descriptor: peer_pb2.CollectiveDescriptor, request) -> None:
-        waiting = sorted({request.peer} | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
+    def _log_slow(self, descriptor: peer_pb2.CollectiveDescriptor, peers: Set[int]) -> None:
+        waiting = sorted(peers | self.p2p.mailbox.waiting_on(COLLECTIVE_CHANNEL))
         ids = self.p2p.worker_ids
         names = ", ".join(f"{r} ({ids[r]})" if r < len(ids) and ids[r] else str(r) for r in waiting)
         logger.warning(
@@ -450,7 +511,8 @@ class Communicator:
         if differs:
             message = (
                 f"collective #{mine.sequence}: rank {self.rank} called {_describe(mine)} but rank {src} "
-                f"called {_describe(theirs)} (differs in {', '.join(differs)}); every rank must call the "
+                f"called {_describe(theirs)}{_as_number(mine, theirs)} (differs in {', '.join(differs)}); "
+                "every rank must call the "
                 "same collectives in the same order with the same arguments"
             )
             ranks = sorted({self.rank, src})
@@ -461,7 +523,14 @@ class Communicator:
                 ranks=ranks,
             )
 
+    def _wake_host_segment(self) -> None:
+        """A wait in the host segment looks at the news (an abort, a peer that failed or left)."""
+        segment = self._host_segment
+        if segment is not None:
+            segment.wake()
+
     def _on_peer_failure(self, peer: int, reason: str, clean: bool) -> None:
+        self._wake_host_segment()
         if clean:
             return  # a peer that shut down on purpose finished its collectives; pending receives from it fail alone
         message = f"{self.p2p.describe_peer(peer)} failed: {reason}"
@@ -515,6 +584,7 @@ class Communicator:
             )
             self.p2p.mailbox.fail_channel(COLLECTIVE_CHANNEL, make_error)
         logger.error("collectives aborted: %s", reason)
+        self._wake_host_segment()
         active = self._active
         if active is not None:  # a send stuck behind a dead or silent peer must not hold the caller
             for send in list(active.sends):
@@ -547,6 +617,20 @@ class Communicator:
     def close(self, timeout: float = 5.0) -> None:
         """Ends the streams of this communicator; later calls raise CommunicatorClosedError."""
         self.p2p.close(timeout, abort=self._abort_request)
+        if self._host_segment is not None:
+            self._host_segment.close()
+
+
+def _elsewhere(mine: bytes, theirs: bytes) -> bool:
+    """Whether a rank whose current collective's descriptor is ``theirs`` is in another collective
+    than ``mine``, and not in an earlier one (late, it may still come)."""
+    if theirs == mine:
+        return False
+    try:
+        sequence = peer_pb2.CollectiveDescriptor.FromString(theirs).sequence
+    except DecodeError:  # not a descriptor: nothing to conclude; the deadline still holds
+        return False
+    return sequence >= peer_pb2.CollectiveDescriptor.FromString(mine).sequence
 
 
 @functools.lru_cache(maxsize=256)

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 USER_CHANNEL = 0
 COLLECTIVE_CHANNEL = 1
 # A caller waiting for a message reads every lane at least this often (see _wait_reading).
-_SWEEP_S = 0.5
+SWEEP_S = 0.5
 # A receive from a peer without a lane looks this often whether one appeared (its stream opened).
 _NO_LANE_SLICE_S = 0.02
 # A lane takes a message in one record up to a quarter of it, header included: about this much is headers.
@@ -512,7 +512,7 @@ class PointToPoint:
         On a lane it looks again and again for ``spin_s``, then sleeps on the lane's doorbell,
         which the sender rings after each message and this process when the receive completes
         another way (its message came on the stream, or the stream ended and failed it). Every
-        :data:`_SWEEP_S` it also reads every other lane: a message nobody waits for is then
+        :data:`SWEEP_S` it also reads every other lane: a message nobody waits for is then
         delivered, and its collective descriptor checked (a rank that called another collective
         is found out by what it sends, which may sit in a lane no receive reads).
 
@@ -520,15 +520,15 @@ class PointToPoint:
             futures.TimeoutError: not complete within ``timeout``.
         """
         now = time.monotonic()
-        deadline, spin_until, sweep_at = now + timeout, now + spin_s, now + _SWEEP_S
+        deadline, spin_until, sweep_at = now + timeout, now + spin_s, now + SWEEP_S
         rings_on_completion = wakes_socket_reader = False
         while not future.done():
             now = time.monotonic()
             if now >= deadline:
                 raise futures.TimeoutError()
             if now >= sweep_at:
-                self._sweep_lanes()
-                sweep_at = now + _SWEEP_S
+                self.sweep_lanes()
+                sweep_at = now + SWEEP_S
             inbound = self._lanes.get(src)
             lane = inbound.lane if inbound is not None else None
             if lane is None:
@@ -568,7 +568,7 @@ class PointToPoint:
         except futures.TimeoutError:
             pass
 
-    def _sweep_lanes(self) -> None:
+    def sweep_lanes(self) -> None:
         for inbound in list(self._lanes.values()):
             inbound.read_lane()
 
@@ -613,6 +613,12 @@ class PointToPoint:
     def on_abort(self, request: peer_pb2.AbortRequest) -> None:
         if self.abort_observer is not None and 0 <= request.src_rank < self.size:
             self.abort_observer(request)
+
+    def raise_if_failed(self, peers: Sequence[int]) -> None:
+        """Raises PeerFailureError for the first of ``peers`` that failed or left."""
+        for peer in peers:
+            if peer in self._failed:
+                raise self._peer_error(peer)
 
     def describe_peer(self, peer: int) -> str:
         """``rank 2 (worker-1 at 10.0.0.3:4000)``, for error messages."""

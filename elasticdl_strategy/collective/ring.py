@@ -11,7 +11,7 @@ all, the bandwidth optimum for all-reduce.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -38,8 +38,8 @@ def even_bounds(length: int, parts: int) -> Bounds:
 class CollectiveCall:
     """One collective in progress: the descriptor its messages carry, its deadline, its pending sends.
 
-    A wait still blocked at ``warn_at`` calls ``on_slow(request)`` once (to log
-    whom it waits for), then waits on until the deadline.
+    A wait still blocked at ``warn_at`` calls ``on_slow(peers)`` once (the ranks it
+    waits for, to log them), then waits on until the deadline.
     """
 
     def __init__(
@@ -48,7 +48,7 @@ class CollectiveCall:
         descriptor: peer_pb2.CollectiveDescriptor,
         deadline: float,
         warn_at: Optional[float] = None,
-        on_slow: Optional[Callable[[Request], None]] = None,
+        on_slow: Optional[Callable[[Set[int]], None]] = None,
     ):
         self.p2p = p2p
         self.descriptor = descriptor
@@ -82,8 +82,14 @@ class CollectiveCall:
                 return request.wait(timeout=self._warn_at - now)
             except CollectiveTimeoutError:
                 self._warn_at = None
-                self._on_slow(request)
+                self._on_slow({request.peer})
         return request.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+
+    def warn_if_slow(self, now: float, peers: Sequence[int]) -> None:
+        """For a wait on something other than a request: ``on_slow(peers)`` once ``warn_at`` has passed."""
+        if self._warn_at is not None and self._on_slow is not None and now >= self._warn_at:
+            self._warn_at = None
+            self._on_slow(set(peers))
 
     def finish_sends(self) -> None:
         for request in self.sends:

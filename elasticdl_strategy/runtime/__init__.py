@@ -331,9 +331,11 @@ def tracing_for(size: int, rank: int) -> Iterator[None]:
 
 
 def stats() -> Dict[str, int]:
-    """Payload bytes and messages this rank sent and received since ``init``."""
+    """Payload bytes and messages this rank sent and received since ``init``, and the collectives
+    it called (small ones among workers of one host send no message: a host segment)."""
     p2p = communicator().p2p
     return {
+        "collectives": communicator().collectives_called,
         "bytes_sent": p2p.bytes_sent,
         "bytes_received": p2p.bytes_received,
         "messages_sent": p2p.messages_sent,

@@ -64,7 +64,7 @@ from __future__ import annotations
 import mmap
 import struct
 import threading
-from typing import List, Literal, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -97,25 +97,6 @@ def _aligned(n: int) -> int:
     return (n + 7) & ~7
 
 
-_BARRIER = threading.Lock()
-
-
-def _memory_barrier() -> None:
-    """A full memory barrier: no load after it is taken before a store ahead of it is visible.
-
-    Taking and releasing a lock is an atomic read-modify-write in the C library (a ``lock``-
-    prefixed instruction: a full barrier on x86-64, the only machine lanes run on, see
-    :data:`.futex.AVAILABLE`); numpy and Python have no barrier of their own.
-    """
-    with _BARRIER:
-        pass
-
-
-def _word(mapping: mmap.mmap, offset: int, kind: Literal["I", "Q"]) -> memoryview:
-    """The 4-byte ("I") or 8-byte ("Q") word at ``offset`` (a multiple of its size) as a memoryview."""
-    return memoryview(mapping)[offset : offset + struct.calcsize(kind)].cast(kind)
-
-
 class _Lane:
     """The counters and ring of a lane in a mapped arena."""
 
@@ -123,13 +104,12 @@ class _Lane:
         self.capacity = capacity
         self._ring = np.frombuffer(mapping, np.uint8, capacity, ring_offset)
         self._bytes = self._ring.data  # copies and struct packing through a memoryview: 5x faster than numpy
-        # The words as one-element memoryviews: an aligned load or store of a Python int, 3x faster than numpy.
-        self._written = _word(mapping, WRITTEN_OFFSET, "Q")
-        self._consumed = _word(mapping, CONSUMED_OFFSET, "Q")
-        self._doorbell = _word(mapping, DOORBELL_OFFSET, "I")
+        self._written = futex.word(mapping, WRITTEN_OFFSET, "Q")
+        self._consumed = futex.word(mapping, CONSUMED_OFFSET, "Q")
+        self._doorbell = futex.word(mapping, DOORBELL_OFFSET, "I")
         self._doorbell_address = np.frombuffer(mapping, np.uint32, 1, DOORBELL_OFFSET).ctypes.data
-        self._sleepers = _word(mapping, SLEEPERS_OFFSET, "I")
-        self._restarted = _word(mapping, RESTARTED_OFFSET, "Q")
+        self._sleepers = futex.word(mapping, SLEEPERS_OFFSET, "I")
+        self._restarted = futex.word(mapping, RESTARTED_OFFSET, "Q")
 
     def _lap_after(self, place: int) -> int:
         return place - place % self.capacity + self.capacity
@@ -145,7 +125,7 @@ class _Lane:
 
         Two rings at once may store the same value; that still differs from what a sleeper read."""
         self._doorbell[0] = (self._doorbell[0] + 1) & 0xFFFFFFFF
-        _memory_barrier()  # the doorbell's store before the load of sleepers (the module docstring)
+        futex.memory_barrier()  # the doorbell's store before the load of sleepers (the module docstring)
         if self._sleepers[0]:
             futex.wake(self._doorbell_address)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import ssl
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -151,6 +152,12 @@ class TransportOptions:
             that callers write and read themselves (:mod:`.lanes`); 0: none.
             A message up to a quarter of it goes there as one record, one up
             to three quarters of it in pieces, when it fits at the time.
+        host_segment_bytes: all-reduces up to this size among workers that all
+            share one host go through a host segment, one shared-memory file
+            they all map (:mod:`elasticdl_strategy.collective.host_allreduce`):
+            one round instead of a message to and from every peer. A multiple
+            of the page size up to 64 MiB; 0: never. The segment takes
+            2 · N · this many bytes.
         spin_us: how long a caller waiting for a message on a lane or data
             socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
@@ -189,6 +196,7 @@ class TransportOptions:
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
     shm_lane_bytes: int = 16 * MiB
+    host_segment_bytes: int = 256 << 10
     spin_us: float = 200.0
     spin_yield: bool = False
     data_socket: bool = True
@@ -217,6 +225,11 @@ class TransportOptions:
             raise ConfigError(
                 f"shm_lane_bytes={self.shm_lane_bytes} must be 0 or a multiple of 64 between "
                 f"{lanes.MIN_BYTES} and {lanes.MAX_BYTES}"
+            )
+        if not (0 <= self.host_segment_bytes <= 64 * MiB and self.host_segment_bytes % mmap.PAGESIZE == 0):
+            raise ConfigError(
+                f"host_segment_bytes={self.host_segment_bytes} must be 0 or a multiple of {mmap.PAGESIZE} "
+                f"up to {64 * MiB} bytes"
             )
         if not 0 <= self.spin_us <= 10_000:
             raise ConfigError(f"spin_us={self.spin_us!r} must be between 0 and 10000 microseconds")
@@ -255,7 +268,7 @@ class TransportOptions:
     def from_env(cls, env: Mapping[str, str]) -> "TransportOptions":
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
-        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_SPIN_US``, ``EDL_SPIN_YIELD``,
+        ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_HOST_SEGMENT_BYTES``, ``EDL_SPIN_US``, ``EDL_SPIN_YIELD``,
         ``EDL_DATA_SOCKET``, ``EDL_HIERARCHICAL`` (these three 0 or 1) and TLS."""
         kwargs: Dict[str, Any] = {"tls": TLSConfig.from_env(env)}
         for var, name in (
@@ -280,6 +293,7 @@ class TransportOptions:
             ("EDL_SHM_SLOT_SIZE", "shm_slot_size", int),
             ("EDL_SHM_SLOTS", "shm_slots", int),
             ("EDL_SHM_LANE_BYTES", "shm_lane_bytes", int),
+            ("EDL_HOST_SEGMENT_BYTES", "host_segment_bytes", int),
             ("EDL_SPIN_US", "spin_us", float),
         ):
             if env.get(var):

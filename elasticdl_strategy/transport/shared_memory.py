@@ -72,8 +72,9 @@ def _unlink(path: str) -> None:
         pass
 
 
-def remove_stale_arenas(directory: str, now: Optional[float] = None) -> List[str]:
-    """Removes arena files in ``directory`` older than :data:`STALE_AFTER_S`; returns their names.
+def remove_stale_arenas(directory: str, now: Optional[float] = None, pattern: re.Pattern = _NAME_PATTERN) -> List[str]:
+    """Removes arena files (names matching ``pattern``) in ``directory`` older than
+    :data:`STALE_AFTER_S`; returns their names.
 
     Other processes' files are judged by age, not by pid: pods sharing a directory do
     not share pid namespaces.
@@ -85,7 +86,7 @@ def remove_stale_arenas(directory: str, now: Optional[float] = None) -> List[str
     except OSError:
         return removed
     for name in names:
-        if not _NAME_PATTERN.fullmatch(name):
+        if not pattern.fullmatch(name):
             continue
         path = os.path.join(directory, name)
         try:

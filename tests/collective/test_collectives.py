@@ -30,10 +30,11 @@ PROPERTY_SETTINGS = settings(
 )
 
 
-@pytest.fixture(scope="module", params=["shared-memory", "data-socket", "grpc"])
+@pytest.fixture(scope="module", params=["host-segment", "shared-memory", "data-socket", "grpc"])
 def clusters(request):
-    """Clusters of every size, with payloads through shared memory (the default on one host),
-    direct data sockets (between hosts) or gRPC only."""
+    """Clusters of every size, with payloads through shared memory and small all-reduces through
+    a host segment (the default on one host), shared memory alone, direct data sockets (between
+    hosts) or gRPC only."""
     options = transport_options(request.param)
     made = {n: ThreadCluster(n, options) for n in SIZES}
     yield made

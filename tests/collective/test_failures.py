@@ -36,7 +36,8 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         others = {r for r in range(n) if r != outcome["rank"]}
         streams = set(outcome["data_socket_peers"] if transport != "grpc" else outcome["shared_memory_peers"])
         assert transport == "grpc" or streams and streams <= others, outcome
-        assert outcome["shared_memory_peers"] == (sorted(streams) if transport == "shared-memory" else []), outcome
+        shared = transport in ("host-segment", "shared-memory")
+        assert outcome["shared_memory_peers"] == (sorted(streams) if shared else []), outcome
         assert outcome["data_socket_peers"] == (sorted(streams) if transport != "grpc" else []), outcome
 
 

@@ -26,7 +26,7 @@ def outcomes(n, fn, timeout=30, transport=None):
         (3, lambda c: c.reduce_scatter(np.ones(4, np.float32)), "op"),
     ],
 )
-@pytest.mark.parametrize("transport", ["shared-memory", "data-socket"])
+@pytest.mark.parametrize("transport", ["host-segment", "shared-memory", "data-socket"])
 def test_every_rank_raises_mismatch_naming_ranks_and_difference(n, odd_call, what, transport):
     odd = n - 1
 

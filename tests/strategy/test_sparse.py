@@ -14,12 +14,11 @@ pytestmark = pytest.mark.slow
 # Sparse: every optimizer. Dense: one linear and one squaring optimizer (the reduction is the same).
 OPTIMIZERS = {"sparse": ["sgd", "adam", "adagrad", "rmsprop"], "dense": ["sgd", "adam"]}
 
-# Per step with 2 workers (these all-reduces are small: a direct exchange, N-1 = 1 message each;
-# an all-gather is a ring step for the row counts and one for the data, 2(N-1) = 2 messages):
-#   dense:  one fused all-reduce of embedding + dense kernel + bias, one of the loss      -> 2 x 1
-#   sparse: one fused all-reduce of kernel + bias (1), two all-gathers of the embedding's
-#           indices and rows (2 x 2), one all-reduce of the loss (1)                      -> 6
-MESSAGES_PER_STEP = {"dense": 2, "sparse": 6}
+# Collectives per step:
+#   dense:  one fused all-reduce of embedding + dense kernel + bias, one of the loss       -> 2
+#   sparse: one fused all-reduce of kernel + bias, two all-gathers of the embedding's
+#           indices and rows, one all-reduce of the loss                                   -> 4
+COLLECTIVES_PER_STEP = {"dense": 2, "sparse": 4}
 
 
 def _run(reduction, out, workers):
@@ -39,7 +38,7 @@ def test_embedding_gradients_match_one_process(tmp_path, reduction):
     for name in OPTIMIZERS[reduction]:
         ours, theirs = workers[0][name], reference[name]
         assert ours["embedding_gradient"] == "IndexedSlices"
-        assert ours["messages_per_step"] == MESSAGES_PER_STEP[reduction]
+        assert ours["collectives_per_step"] == COLLECTIVES_PER_STEP[reduction]
         assert workers[1][name]["weights"] == ours["weights"], name
         for a, b in zip(ours["weights"], theirs["weights"], strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-9, err_msg=name)

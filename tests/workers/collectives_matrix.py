@@ -74,11 +74,16 @@ def main(results_dir: str, with_64mib: bool) -> None:
 
     # Byte counters: a ring all-reduce of S bytes sends and receives 2(N-1)/N * S per rank
     # (large arrays); a small one (the direct exchange, (N-1) * S <= 1 MiB) (N-1) * S.
+    # Barriers around the all-reduce so that no message of a neighbour's next collective is
+    # counted; what one barrier moves (N-1 bytes each way, none through a host segment) is taken off.
+    runtime.barrier()
+    before = runtime.stats()
+    runtime.barrier()
+    after = runtime.stats()
+    barrier_sent = after["bytes_sent"] - before["bytes_sent"]
+    barrier_received = after["bytes_received"] - before["bytes_received"]
     for elements in (n * 300_000, 300_001, 1001):
         data = np.ones(elements, np.float32)
-        # Barriers around the all-reduce so that no message of a neighbour's
-        # next collective is counted; each barrier moves N-1 bytes each way.
-        runtime.barrier()
         before = runtime.stats()
         runtime.allreduce(data, out=data)
         runtime.barrier()
@@ -86,8 +91,8 @@ def main(results_dir: str, with_64mib: bool) -> None:
         counters.append(
             {
                 "nbytes": data.nbytes,
-                "sent": after["bytes_sent"] - before["bytes_sent"] - (n - 1),
-                "received": after["bytes_received"] - before["bytes_received"] - (n - 1),
+                "sent": after["bytes_sent"] - before["bytes_sent"] - barrier_sent,
+                "received": after["bytes_received"] - before["bytes_received"] - barrier_received,
             }
         )
 

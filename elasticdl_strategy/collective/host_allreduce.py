@@ -1,0 +1,237 @@
+"""Small all-reduces among the ranks of one host, through a host segment: one round, no messages.
+
+The direct exchange (:mod:`.direct`) sends each rank's array to every peer: 2(N-1) lane messages
+per rank, each a header, a copy and a wake. Through a host segment
+(:mod:`elasticdl_strategy.transport.host_segment`) each rank copies its array into its own slot
+once, publishes it with its collective's descriptor, waits until every rank has published, checks
+that every descriptor equals its own, and reduces the N slots itself in rank order 0..N-1: every
+rank does the same operations on the same values and gets the same bits, as with the direct
+exchange (and the same bits as it).
+
+The segment is set up by the first all-reduce that may use it (:meth:`HostAllreduce.agree`,
+inside that collective, over the point-to-point messages that stay the failure and control path):
+rank 0 creates it and sends its name to every rank; each maps it; the ranks agree (a direct
+all-reduce of who could) to use it from then on, or never in this membership.
+
+While a rank waits for the others it watches what would end a wait for a message: the
+communicator aborted (a peer failed, mismatched or timed out and said so), a peer that has not
+arrived failed or left (its stream ended, its life mark, the coordinator), the deadline. Now and
+then it reads every lane, so that a peer that called another collective is found out by what it
+sent, and every missing peer's current note (:meth:`HostAllreduce.announce`, made by the
+communicator at every collective), so that one found in another collective at the same or a
+later place in the order is found out although it sends nothing (a broadcast's receiver).
+Whoever learns of news in this process wakes the waiter (:meth:`HostAllreduce.wake`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+from elasticdl_strategy.collective import direct
+from elasticdl_strategy.collective.p2p import SWEEP_S
+from elasticdl_strategy.collective.ring import CollectiveCall
+from elasticdl_strategy.errors import CollectiveTimeoutError, CommunicatorClosedError
+from elasticdl_strategy.transport import futex
+from elasticdl_strategy.transport.host_segment import NONCE_BYTES, NOTE_BYTES, HostSegment
+
+logger = logging.getLogger(__name__)
+
+_OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, name
+
+
+def possible(options, all_on_one_host: bool) -> bool:
+    """Whether a membership may set up a host segment: one host, shared memory, futexes."""
+    return all_on_one_host and options.shared_memory and options.host_segment_bytes > 0 and futex.AVAILABLE
+
+
+class HostAllreduce:
+    """The host segment of one communicator and its all-reduces; see the module docstring.
+
+    Built by :meth:`agree`. Used from the communicator's calling thread, one collective at a time;
+    :meth:`wake` may be called from any thread.
+    """
+
+    def __init__(self, segment: HostSegment):
+        self._segment = segment
+        self._count = 0  # all-reduces published through the segment
+        self._views: Dict[tuple, np.ndarray] = {}
+        self._closed = False
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._segment.slot_bytes
+
+    @classmethod
+    def agree(cls, call: CollectiveCall, directory: str, slot_bytes: int) -> Optional["HostAllreduce"]:
+        """Sets up a segment among all ranks of ``call``; every rank calls it within the same collective.
+
+        Returns:
+            the segment's all-reduce on every rank, or None on every rank (some rank could not
+            create or map it: another host or memory volume, no space).
+
+        Raises:
+            what the collective's messages raise (a peer failed, a mismatch, the deadline).
+        """
+        p2p = call.p2p
+        segment = None
+        try:
+            if p2p.rank == 0:
+                try:
+                    segment = HostSegment.create(directory, 0, p2p.size, slot_bytes)
+                except (OSError, ValueError) as e:
+                    logger.info("no host segment (%s); small all-reduces go by messages", e)
+                offer = _encode_offer(segment)
+                for dst in range(1, p2p.size):
+                    call.send(offer, dst)
+            else:
+                offer = np.zeros(_OFFER.size, np.uint8)
+                call.wait(call.recv_into(offer, 0))
+                segment = _open_offer(directory, offer, p2p.rank, p2p.size)
+            able = np.array([segment is not None], np.uint8)
+            direct.allreduce(call, able, np.minimum)
+            call.finish_sends()
+        finally:  # all mapped it, gave up or failed: the memory goes with the last mapping
+            if segment is not None:
+                segment.unlink()
+        if segment is None or not able[0]:
+            if segment is not None:
+                segment.close()
+            return None
+        return cls(segment)
+
+    def allreduce(
+        self,
+        call: CollectiveCall,
+        flat: np.ndarray,
+        ufunc: Callable,
+        note: bytes,
+        healthy: Callable[[], None],
+        differs: Callable[[bytes, bytes], bool],
+    ) -> Dict[int, bytes]:
+        """All-reduces the 1-D ``flat`` (at most :attr:`slot_bytes`) in place over the segment.
+
+        ``note`` describes the call (at most :data:`~.host_segment.NOTE_BYTES`), announced
+        already; ``healthy()`` raises when the communicator has aborted; ``differs(note, theirs)``
+        says whether a rank whose current note is ``theirs`` does something else than this call
+        (and not something earlier).
+
+        Returns:
+            ``{rank: its note}`` for ranks found doing something else (``flat`` is then not
+            reduced); empty when all agree.
+
+        Raises:
+            PeerFailureError: a rank that has not arrived failed or left.
+            CollectiveTimeoutError: not every rank arrived by the call's deadline.
+        """
+        if self._closed:
+            raise CommunicatorClosedError(f"rank {call.p2p.rank}: the communicator is shut down", rank=call.p2p.rank)
+        segment = self._segment
+        count = self._count + 1
+        parity = count % 2
+        np.copyto(self._view(segment.rank, parity, flat), flat)
+        segment.publish(count, note)
+        self._count = count
+        elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
+        if elsewhere:
+            return elsewhere
+        differing = [r for r in range(segment.ranks) if not segment.noted(r, count, note)]
+        if differing:
+            return {r: segment.note(r, count) for r in differing}
+        ufunc(self._view(0, parity, flat), self._view(1, parity, flat), out=flat)
+        for r in range(2, segment.ranks):
+            ufunc(flat, self._view(r, parity, flat), out=flat)
+        return {}
+
+    def announce(self, note: bytes) -> None:
+        """Tells the ranks of the segment what this rank does now (every collective's descriptor)."""
+        self._segment.announce(note)
+
+    def wake(self) -> None:
+        """Wakes this rank's wait, if any, to look at the news (an abort, a failed peer)."""
+        self._segment.wake()
+
+    def close(self) -> None:
+        """Ends this rank's use of the segment: a wait in progress, and every later all-reduce, raise
+        CommunicatorClosedError. The memory stays mapped until this object goes (a wait in another
+        thread may still read it)."""
+        self._closed = True
+        self._segment.wake()
+
+    def _view(self, rank: int, parity: int, like: np.ndarray) -> np.ndarray:
+        """``rank``'s slot of ``parity`` as an array of ``like``'s dtype and size (cached: a few calls'
+        sizes repeat for the whole training)."""
+        key = (rank, parity, like.dtype, like.size)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 4096:
+                self._views.clear()
+            view = np.frombuffer(self._segment.slot(rank, parity, like.nbytes), like.dtype)
+            self._views[key] = view
+        return view
+
+    def _wait(
+        self, call: CollectiveCall, count: int, healthy: Callable[[], None], elsewhere: Callable[[bytes], bool]
+    ) -> Dict[int, bytes]:
+        """Returns once every rank has published ``count`` (empty), or ``{rank: current note}`` of
+        missing ranks that ``elsewhere(note)`` finds doing something else. Spins for ``spin_us``
+        first (offering the core between looks with ``spin_yield``), then sleeps on the doorbell."""
+        segment, p2p = self._segment, call.p2p
+        now = time.monotonic()
+        spin_until, sweep_at = now + p2p.options.spin_us * 1e-6, now + SWEEP_S
+        while True:
+            seen = segment.doorbell
+            missing = segment.missing(count)
+            if not missing:
+                return {}
+            if self._closed:
+                raise CommunicatorClosedError(f"rank {p2p.rank}: the communicator is shut down", rank=p2p.rank)
+            healthy()
+            p2p.raise_if_failed(missing)
+            now = time.monotonic()
+            if now >= call.deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {p2p.rank}: no contribution from rank(s) {missing} in the host segment",
+                    waiting_for=missing,
+                    rank=p2p.rank,
+                )
+            if now >= sweep_at:
+                p2p.sweep_lanes()
+                found = {r: segment.current(r) for r in missing}
+                found = {r: theirs for r, theirs in found.items() if theirs and elsewhere(theirs)}
+                if found:
+                    return found
+                call.warn_if_slow(now, missing)
+                sweep_at = now + SWEEP_S
+            if now < spin_until:
+                if p2p.options.spin_yield:
+                    os.sched_yield()
+                continue
+            segment.sleep(seen, count, min(call.deadline, sweep_at) - now)
+
+
+def note_fits(note: bytes) -> bool:
+    return len(note) <= NOTE_BYTES
+
+
+def _encode_offer(segment: Optional[HostSegment]) -> np.ndarray:
+    if segment is None:
+        return np.frombuffer(_OFFER.pack(0, b"", b""), np.uint8).copy()
+    name = segment.name.encode()
+    return np.frombuffer(_OFFER.pack(len(name), segment.nonce, name), np.uint8).copy()
+
+
+def _open_offer(directory: str, offer: np.ndarray, rank: int, ranks: int) -> Optional[HostSegment]:
+    length, nonce, name = _OFFER.unpack(offer.tobytes())
+    if not length:
+        return None
+    try:
+        return HostSegment.open(directory, name[:length].decode("ascii", "replace"), nonce, rank, ranks)
+    except (OSError, ValueError) as e:
+        logger.info("cannot map rank 0's host segment (%s); small all-reduces go by messages", e)
+        return None

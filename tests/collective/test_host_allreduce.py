@@ -1,0 +1,164 @@
+"""Small all-reduces and barriers through a host segment: no messages, the same bits as the direct
+exchange, and every failure a message path would see (a peer that left, a deadline, a mismatch)."""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from elasticdl_strategy.collective import host_allreduce
+from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
+from elasticdl_strategy.transport import futex
+from tests.cluster import ThreadCluster, transport_options
+
+pytestmark = pytest.mark.skipif(not futex.AVAILABLE, reason="host segments need Linux futexes on x86-64")
+
+
+def _inputs(n, size, dtype=np.float32):
+    rng = np.random.default_rng(7)
+    return [rng.standard_normal(size).astype(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_small_allreduces_and_barriers_go_through_the_segment_without_messages(n):
+    inputs = _inputs(n, 1000)
+    with ThreadCluster(n, transport_options("host-segment")) as cluster:
+        cluster.run(lambda c: c.allreduce(inputs[c.rank]))  # sets the segment up (by messages)
+        sent = [c.p2p.messages_sent for c in cluster.communicators]
+
+        def program(c):
+            results = [c.allreduce(inputs[c.rank], op=op) for op in ("sum", "max", "mean")]
+            c.barrier()
+            return results
+
+        results = cluster.run(program)
+        assert [c.p2p.messages_sent for c in cluster.communicators] == sent
+        assert all(isinstance(c._host_segment, host_allreduce.HostAllreduce) for c in cluster.communicators)
+    for r in range(1, n):  # the same bits on every rank
+        for mine, theirs in zip(results[0], results[r]):
+            assert mine.tobytes() == theirs.tobytes()
+    expected = np.zeros(1000, np.float32)
+    for x in inputs:  # rank order 0..N-1, as every rank reduces
+        expected += x
+    assert results[0][0].tobytes() == expected.tobytes()
+    np.testing.assert_array_equal(results[0][1], np.max(inputs, axis=0))
+
+
+def test_the_segment_gives_the_same_bits_as_the_direct_exchange():
+    inputs = _inputs(3, 4099, np.float64)
+    outcomes = []
+    for transport in ("host-segment", "shared-memory"):
+        with ThreadCluster(3, transport_options(transport)) as cluster:
+            outcomes.append(cluster.run(lambda c: c.allreduce(inputs[c.rank]))[0].tobytes())
+            assert (cluster.communicators[0]._host_segment is not None) == (transport == "host-segment")
+    assert outcomes[0] == outcomes[1]
+
+
+def test_arrays_above_the_segments_size_go_by_messages():
+    options = transport_options("host-segment", host_segment_bytes=4096)
+    with ThreadCluster(2, options) as cluster:
+        cluster.run(lambda c: c.allreduce(np.ones(1024, np.float32)))  # 4 KiB: the segment
+        sent = [c.p2p.messages_sent for c in cluster.communicators]
+        results = cluster.run(lambda c: c.allreduce(np.ones(1025, np.float32)))
+        assert all(c.p2p.messages_sent > s for c, s in zip(cluster.communicators, sent))
+    assert all(r.tolist() == [2.0] * 1025 for r in results)
+
+
+def test_no_segment_between_hosts_nor_when_one_rank_cannot_map_it(tmp_path):
+    with ThreadCluster(2, transport_options("host-segment"), hosts=("a", "b")) as cluster:
+        results = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0)))
+        assert all(c._host_segment is None for c in cluster.communicators)
+    assert all(r.tolist() == [3.0] * 4 for r in results)
+
+    elsewhere = tmp_path / "another-volume"
+    elsewhere.mkdir()
+    options = transport_options("host-segment")
+    per_rank = [options, dataclasses.replace(options, shared_memory_dir=str(elsewhere))]
+    with ThreadCluster(2, per_rank) as cluster:
+        for _ in range(2):  # the ranks agreed once: never again in this membership
+            results = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0)))
+            assert all(r.tolist() == [3.0] * 4 for r in results)
+        assert all(c._host_segment is None and not c._host_segment_possible for c in cluster.communicators)
+    assert [p.name for p in elsewhere.iterdir()] == []
+
+
+def test_a_peer_that_leaves_while_others_wait_in_the_segment_fails_their_collective_at_once(monkeypatch):
+    monkeypatch.setattr(host_allreduce, "SWEEP_S", 60.0)  # only a wake ends the sleep early
+
+    def program(c):
+        c.allreduce(np.ones(4))
+        if c.rank == 2:
+            time.sleep(0.5)  # the others are asleep in the segment by now
+            c.close()
+            return "left"
+        return c.allreduce(np.ones(4))
+
+    start = time.monotonic()
+    with ThreadCluster(3, transport_options("host-segment", spin_us=0.0)) as cluster:
+        results = cluster.run_outcomes(program, timeout=30)
+    assert results[2] == "left"
+    for outcome in results[:2]:
+        assert isinstance(outcome, PeerFailureError), outcome
+        assert outcome.peer_rank == 2
+    assert time.monotonic() - start < 10
+
+
+def test_a_rank_that_does_not_come_times_out_naming_it(monkeypatch):
+    monkeypatch.setattr(host_allreduce, "SWEEP_S", 60.0)  # the deadline ends the sleep, not a sweep
+
+    def program(c):
+        c.allreduce(np.ones(4))
+        if c.rank == 1:
+            return "skipped"
+        return c.allreduce(np.ones(4), timeout=1.0)
+
+    start = time.monotonic()
+    with ThreadCluster(3, transport_options("host-segment", spin_us=0.0)) as cluster:
+        results = cluster.run_outcomes(program, timeout=30)
+    for rank in (0, 2):
+        assert isinstance(results[rank], CollectiveTimeoutError), results[rank]
+        assert 1 in results[rank].waiting_for
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize(
+    "odd_call, what",
+    [
+        (lambda c: c.allreduce(np.ones(5, np.float32)), "shape"),  # in the segment: its note differs
+        (lambda c: c.barrier(), "op"),  # in the segment too
+        (lambda c: c.broadcast(np.ones(4, np.float32), root=0), "op"),  # a receiver: sends nothing
+    ],
+)
+def test_a_rank_in_another_collective_is_found_out_by_its_note(odd_call, what):
+    def program(c):
+        c.allreduce(np.ones(2))
+        if c.rank == 2:
+            return odd_call(c)
+        return c.allreduce(np.ones(4, np.float32))
+
+    with ThreadCluster(3, transport_options("host-segment")) as cluster:
+        results = cluster.run_outcomes(program, timeout=30)
+    for rank, outcome in enumerate(results):
+        assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
+        assert what in str(outcome)
+
+
+def test_closing_the_communicator_ends_a_wait_in_the_segment(monkeypatch):
+    import threading
+
+    from elasticdl_strategy.errors import CommunicatorClosedError
+
+    monkeypatch.setattr(host_allreduce, "SWEEP_S", 60.0)
+    with ThreadCluster(2, transport_options("host-segment", spin_us=0.0)) as cluster:
+        cluster.run(lambda c: c.allreduce(np.ones(4)))
+        first = cluster.communicators[0]
+        closer = threading.Timer(0.3, first.close)
+        closer.start()
+        start = time.monotonic()
+        with pytest.raises(CommunicatorClosedError):
+            first.allreduce(np.ones(4))  # rank 1 never comes
+        assert time.monotonic() - start < 10
+        closer.join()
+        with pytest.raises(CommunicatorClosedError):
+            first.allreduce(np.ones(4))
