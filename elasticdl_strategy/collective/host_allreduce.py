@@ -39,13 +39,14 @@ from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveTimeoutError, CommunicatorClosedError
 from elasticdl_strategy.transport import futex
 from elasticdl_strategy.transport.host_segment import NONCE_BYTES, NOTE_BYTES, HostSegment
+from elasticdl_strategy.transport.options import TransportOptions
 
 logger = logging.getLogger(__name__)
 
 _OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, name
 
 
-def possible(options, all_on_one_host: bool) -> bool:
+def possible(options: TransportOptions, all_on_one_host: bool) -> bool:
     """Whether a membership may set up a host segment: one host, shared memory, futexes."""
     return all_on_one_host and options.shared_memory and options.host_segment_bytes > 0 and futex.AVAILABLE
 
@@ -216,6 +217,7 @@ class HostAllreduce:
 
 
 def note_fits(note: bytes) -> bool:
+    """Whether a collective's descriptor fits a note (a shape of very many dimensions does not)."""
     return len(note) <= NOTE_BYTES
 
 

@@ -13,7 +13,7 @@ Layout (a page for the header, then a block per rank, then the slots)::
     block r:  arrivals (u64, 0) | sleeping (u32, 64) | doorbell (u32, 128)
               | note p = 0, 1 (192 + 256·p) | current note (704)
     note:     version (u32) | length (u32) | bytes (up to NOTE_BYTES)
-    slot r,p: SLOT r·2 + p, page-aligned
+    slots:    after the blocks, page-aligned: rank r's slot of parity p is slot number 2r + p
 
 Only rank r writes its block's arrivals, sleeping flag and notes; the others write its doorbell.
 A *note* is a few bytes a rank publishes with its slot (the caller's description of what it
@@ -111,6 +111,7 @@ class HostSegment:
 
         Raises:
             OSError: it cannot be created or mapped (no such directory, no space).
+            ValueError: an impossible geometry (ranks, slot size).
         """
         if not (1 <= ranks <= MAX_RANKS and 0 < slot_bytes <= MAX_SLOT_BYTES and slot_bytes % mmap.PAGESIZE == 0):
             raise ValueError(f"invalid segment geometry ({ranks} ranks, slots of {slot_bytes} bytes)")
