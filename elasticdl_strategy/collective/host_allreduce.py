@@ -117,10 +117,10 @@ class HostAllreduce:
     ) -> Dict[int, bytes]:
         """All-reduces the 1-D ``flat`` (at most :attr:`slot_bytes`) in place over the segment.
 
-        ``note`` describes the call (at most :data:`~.host_segment.NOTE_BYTES`), announced
-        already; ``healthy()`` raises when the communicator has aborted; ``differs(note, theirs)``
-        says whether a rank whose current note is ``theirs`` does something else than this call
-        (and not something earlier).
+        ``note`` describes the call (at most :data:`~.host_segment.NOTE_BYTES`; published with
+        the slot, for the others to compare); ``healthy()`` raises when the communicator has
+        aborted; ``differs(note, theirs)`` says whether a rank whose current note is ``theirs``
+        does something else than this call (and not something earlier).
 
         Returns:
             ``{rank: its note}`` for ranks found doing something else (``flat`` is then not
@@ -129,9 +129,10 @@ class HostAllreduce:
         Raises:
             PeerFailureError: a rank that has not arrived failed or left.
             CollectiveTimeoutError: not every rank arrived by the call's deadline.
+            CommunicatorClosedError: the communicator was closed (before or during the call).
         """
         if self._closed:
-            raise CommunicatorClosedError(f"rank {call.p2p.rank}: the communicator is shut down", rank=call.p2p.rank)
+            raise _closed(call.p2p.rank)
         segment = self._segment
         count = self._count + 1
         parity = count % 2
@@ -191,7 +192,7 @@ class HostAllreduce:
             if not missing:
                 return {}
             if self._closed:
-                raise CommunicatorClosedError(f"rank {p2p.rank}: the communicator is shut down", rank=p2p.rank)
+                raise _closed(p2p.rank)
             healthy()
             p2p.raise_if_failed(missing)
             now = time.monotonic()
@@ -214,6 +215,10 @@ class HostAllreduce:
                     os.sched_yield()
                 continue
             segment.sleep(seen, count, min(call.deadline, sweep_at) - now)
+
+
+def _closed(rank: int) -> CommunicatorClosedError:
+    return CommunicatorClosedError(f"rank {rank}: the communicator is shut down", rank=rank)
 
 
 def note_fits(note: bytes) -> bool:
