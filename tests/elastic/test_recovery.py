@@ -23,6 +23,9 @@ RECORDS, BATCH, EPOCHS = 240, 4, 3
 BASE = {"records": RECORDS, "batch": BATCH, "epochs": EPOCHS, "commit_every": 2}
 # Steps in the whole job are between 60 (4 workers) and 120 (2 workers): kill well inside it.
 SEED = int(os.environ.get("EDL_TEST_SEED", time.time_ns() % 100000))
+# By worker id, not rank: if one victim dies first and the group re-forms, the other may be renumbered out of
+# its "rank:R" and live on.
+TWO_DIE_AT_5 = {"kill": {"worker-1": 5, "worker-2": 5}}
 
 
 def random_step(low=6, high=40):
@@ -122,7 +125,7 @@ def test_standby_takes_the_place_of_a_failed_worker(tmp_path):
 
 def test_below_min_workers_training_waits_then_fails_clearly(tmp_path):
     # Two of three die at once: the survivor is below --min-workers=2 and waits, then gives up.
-    config = {"kill": {"rank:1": 5, "rank:2": 5}}
+    config = TWO_DIE_AT_5
     job = launch(tmp_path, 3, config, ["--min-workers", "2", "--rendezvous-timeout", "4"])
     code, out, err = finish(job)
     assert code != 0
@@ -147,9 +150,7 @@ def _live_worker_pids(tmp_path):
 def test_sigterm_while_waiting_for_min_workers_leaves_at_once(tmp_path):
     # Two of three die; the survivor waits for --min-workers=2 (for up to 60 s). A SIGTERM then
     # makes it leave within a second or two, not at a commit that cannot come.
-    job = launch(
-        tmp_path, 3, {"kill": {"rank:1": 5, "rank:2": 5}}, ["--min-workers", "2", "--rendezvous-timeout", "60"]
-    )
+    job = launch(tmp_path, 3, TWO_DIE_AT_5, ["--min-workers", "2", "--rendezvous-timeout", "60"])
     try:
         deadline = time.monotonic() + 60
         while len(dead(tmp_path)) < 2 or len(_live_worker_pids(tmp_path)) != 1:
