@@ -56,7 +56,10 @@ last member of the new membership began it), ``synced`` = ``elastic.run`` called
 function again (re-formed, rolled back and synced), ``admitted`` = the joiner got a membership with it
 (seen by a thread of its own), ``built`` = its model and optimizer existed (the breakdown gives both from
 ready, then the rest from the later of the two),
-``leave_commit`` = a survivor began the commit the leaver leaves at (re-forming follows).
+``leave_commit`` = a survivor began the commit the leaver leaves at (re-forming follows),
+``first_batch`` = the training function's input pipeline gave its first batch (from ``synced``:
+building the pipeline of the new membership; from there to ``step``: the step function's first
+call in that membership and one step).
 Each worker's log lines get timestamps; the report repeats the library's recovery lines
 ("re-formed in", "training continues ... after the failure"). ``--log-dir`` keeps whole logs.
 All times are ``time.time()`` on one machine. A measurement a repeat could not make is left out of
@@ -275,8 +278,12 @@ def worker_main(args: argparse.Namespace) -> int:
         end_at = min(args.max_steps, state.steps + args.steps_after_join) if left else args.max_steps
         events.write("synced", version=runtime.current_worker().membership.version, size=runtime.size())
         step = new_step()
+        first_batch = True
         while state.steps < end_at:
             for indices in records.dataset():
+                if first_batch:  # the input pipeline of this membership is built and gave its first batch
+                    events.write("first_batch", version=runtime.current_worker().membership.version)
+                    first_batch = False
                 kill_if_targeted(args, events, state.steps)
                 leave_if_targeted(args, events, state.steps, None if left else regrown_at)
                 started = time.perf_counter()
@@ -423,7 +430,11 @@ def measure_kill(events: Sequence[dict], workers: int, repeat: Repeat) -> None:
     marks.append(
         ("all_in_sync", latest([e for e in after if e["kind"] == "sync_start" and e["version"] == last["version"]]))
     )
-    marks += [("synced", first(after, kind="synced", worker=last["worker"])), ("step", last)]
+    marks += [
+        ("synced", first(after, kind="synced", worker=last["worker"])),
+        ("first_batch", first(after, kind="first_batch", worker=last["worker"])),
+        ("step", last),
+    ]
     add_breakdown(repeat, "kill: ", marks)
 
 
@@ -447,7 +458,13 @@ def measure_join(events: Sequence[dict], workers: int, repeat: Repeat) -> None:
     add_breakdown(repeat, "join: ", [("ready", joiner), ("admitted", admitted)])
     add_breakdown(repeat, "join: ", [("ready", joiner), ("built", built)])
     both = latest([e for e in (admitted, built) if e is not None])
-    marks = [("admitted+built", both), ("all_in_sync", all_in), ("synced", first(mine, kind="synced")), ("step", step)]
+    marks = [
+        ("admitted+built", both),
+        ("all_in_sync", all_in),
+        ("synced", first(mine, kind="synced")),
+        ("first_batch", first(mine, kind="first_batch")),
+        ("step", step),
+    ]
     add_breakdown(repeat, "join: ", marks)
 
 
@@ -466,7 +483,11 @@ def measure_leave(events: Sequence[dict], workers: int, repeat: Repeat) -> None:
     committing = latest([e for w in survivors if (e := first(after, kind="leave_commit", worker=w)) is not None])
     all_in = latest([e for e in after if e["kind"] == "sync_start" and e["version"] == last["version"]])
     marks = [("leave", leave), ("commit_started", committing), ("all_in_sync", all_in)]
-    marks += [("synced", first(after, kind="synced", worker=last["worker"])), ("step", last)]
+    marks += [
+        ("synced", first(after, kind="synced", worker=last["worker"])),
+        ("first_batch", first(after, kind="first_batch", worker=last["worker"])),
+        ("step", last),
+    ]
     add_breakdown(repeat, "leave: ", marks)
 
 
