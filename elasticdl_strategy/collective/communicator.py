@@ -192,8 +192,11 @@ class Communicator:
 
     def _host_segment_takes(self, nbytes: int) -> bool:
         """Whether a collective reducing ``nbytes`` may go through the host segment (if it is set up,
-        or may be); every rank decides alike."""
-        return self._host_segment_possible and nbytes <= self.p2p.options.host_segment_bytes
+        or may be); every rank decides alike: once it is set up, by its slots' size (rank 0's
+        ``host_segment_bytes``), whatever the others' options say."""
+        segment = self._host_segment
+        limit = segment.slot_bytes if segment is not None else self.p2p.options.host_segment_bytes
+        return self._host_segment_possible and nbytes <= limit
 
     def _through_host_segment(self, call: ring.CollectiveCall, flat: np.ndarray, ufunc) -> bool:
         """All-reduces ``flat`` through the host segment (set up by the first call that may use one,

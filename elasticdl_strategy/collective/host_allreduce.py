@@ -29,14 +29,14 @@ import logging
 import os
 import struct
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from elasticdl_strategy.collective import direct
-from elasticdl_strategy.collective.p2p import SWEEP_S
+from elasticdl_strategy.collective.p2p import SWEEP_S, PointToPoint
 from elasticdl_strategy.collective.ring import CollectiveCall
-from elasticdl_strategy.errors import CollectiveTimeoutError, CommunicatorClosedError
+from elasticdl_strategy.errors import CollectiveTimeoutError, CommunicatorClosedError, PeerFailureError
 from elasticdl_strategy.transport import futex
 from elasticdl_strategy.transport.host_segment import NONCE_BYTES, NOTE_BYTES, HostSegment
 from elasticdl_strategy.transport.options import TransportOptions
@@ -134,6 +134,8 @@ class HostAllreduce:
         if self._closed:
             raise _closed(call.p2p.rank)
         segment = self._segment
+        if flat.nbytes > segment.slot_bytes:  # the caller decides by slot_bytes: a bug if it did not
+            raise ValueError(f"{flat.nbytes} bytes do not fit a slot of {segment.slot_bytes}")
         count = self._count + 1
         parity = count % 2
         np.copyto(self._view(segment.rank, parity, flat), flat)
@@ -151,8 +153,10 @@ class HostAllreduce:
         return {}
 
     def announce(self, note: bytes) -> None:
-        """Tells the ranks of the segment what this rank does now (every collective's descriptor)."""
-        self._segment.announce(note)
+        """Tells the ranks of the segment what this rank does now (every collective's descriptor).
+        A descriptor too long for a note (:func:`note_fits`) is announced as none: the others then
+        learn of that collective from its messages or their deadline."""
+        self._segment.announce(note if note_fits(note) else b"")
 
     def wake(self) -> None:
         """Wakes this rank's wait, if any, to look at the news (an abort, a failed peer)."""
@@ -194,7 +198,7 @@ class HostAllreduce:
             if self._closed:
                 raise _closed(p2p.rank)
             healthy()
-            p2p.raise_if_failed(missing)
+            self._raise_if_failed(p2p, count, missing)
             now = time.monotonic()
             if now >= call.deadline:
                 raise CollectiveTimeoutError(
@@ -204,8 +208,7 @@ class HostAllreduce:
                 )
             if now >= sweep_at:
                 p2p.sweep_lanes()
-                found = {r: segment.current(r) for r in missing}
-                found = {r: theirs for r, theirs in found.items() if theirs and elsewhere(theirs)}
+                found = self._found_elsewhere(count, missing, elsewhere)
                 if found:
                     return found
                 call.warn_if_slow(now, missing)
@@ -215,6 +218,26 @@ class HostAllreduce:
                     os.sched_yield()
                 continue
             segment.sleep(seen, count, min(call.deadline, sweep_at) - now)
+
+    # A rank that arrives after ``missing`` was read may finish the call at once and go on: announce
+    # its next collective, or close and leave. So each check below reads the news first and the
+    # arrivals after it, and blames only ranks that have still not arrived (x86-64 keeps loads in order,
+    # and a rank publishes its arrival before it announces or leaves).
+
+    def _raise_if_failed(self, p2p: PointToPoint, count: int, missing: List[int]) -> None:
+        """Raises PeerFailureError for a rank of ``missing`` that failed or left without arriving."""
+        try:
+            p2p.raise_if_failed(missing)
+        except PeerFailureError as e:
+            if e.peer_rank in self._segment.missing(count):
+                raise
+
+    def _found_elsewhere(self, count: int, missing: List[int], elsewhere: Callable[[bytes], bool]) -> Dict[int, bytes]:
+        """``{rank: current note}`` of the ``missing`` ranks that ``elsewhere(note)`` finds in another
+        collective and that have still not arrived."""
+        notes = {r: self._segment.current(r) for r in missing}
+        late = self._segment.missing(count)
+        return {r: note for r, note in notes.items() if r in late and note and elsewhere(note)}
 
 
 def _closed(rank: int) -> CommunicatorClosedError:

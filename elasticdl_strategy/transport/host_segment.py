@@ -210,8 +210,10 @@ class HostSegment:
         if len(note) > NOTE_BYTES:
             raise ValueError(f"a note of {len(note)} bytes exceeds {NOTE_BYTES}")
         self._bytes[start + _NOTE_PREFIX.size : start + _NOTE_PREFIX.size + len(note)] = note
-        # The version and length last (x86-64 keeps stores in order): a reader that sees them sees the bytes.
-        _NOTE_PREFIX.pack_into(self._map, start, version, len(note))
+        # The length, then the version last (x86-64 keeps stores in order): a reader that sees the
+        # version sees the bytes and their length (one store of both would rely on memcpy's width).
+        struct.pack_into("<I", self._map, start + 4, len(note))
+        struct.pack_into("<I", self._map, start, version)
 
     def _read_note(self, start: int) -> Tuple[int, bytes]:
         version, length = _NOTE_PREFIX.unpack_from(self._map, start)

@@ -2,6 +2,7 @@
 exchange, and every failure a message path would see (a peer that left, a deadline, a mismatch)."""
 
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -145,8 +146,6 @@ def test_a_rank_in_another_collective_is_found_out_by_its_note(odd_call, what):
 
 
 def test_closing_the_communicator_ends_a_wait_in_the_segment(monkeypatch):
-    import threading
-
     from elasticdl_strategy.errors import CommunicatorClosedError
 
     monkeypatch.setattr(host_allreduce, "SWEEP_S", 60.0)
@@ -162,3 +161,93 @@ def test_closing_the_communicator_ends_a_wait_in_the_segment(monkeypatch):
         closer.join()
         with pytest.raises(CommunicatorClosedError):
             first.allreduce(np.ones(4))
+
+
+def _pause_once(monkeypatch, obj, name, until, reached):
+    """Makes ``obj.name`` (a method of one rank) set ``reached``, then wait for ``until()`` before it
+    runs, the first time it is called: a thread of that rank held up there, as the scheduler may."""
+    real = getattr(obj, name)
+    armed = [True]
+
+    def paused(*args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            reached.set()
+            deadline = time.monotonic() + 10
+            while not until() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, paused)
+
+
+def test_a_rank_that_arrives_finishes_and_announces_its_next_collective_during_a_sweep_is_not_blamed(monkeypatch):
+    monkeypatch.setattr(host_allreduce, "SWEEP_S", 0.05)
+    with ThreadCluster(2, transport_options("host-segment", spin_us=0.0)) as cluster:
+        cluster.run(lambda c: c.allreduce(np.ones(4)))  # sets the segment up
+        segment = cluster.communicators[0]._host_segment._segment
+        announced = segment.current(1)
+        in_sweep = threading.Event()
+        # Rank 0 has read that rank 1 is missing and sweeps; meanwhile rank 1 comes, finishes the
+        # all-reduce and announces a broadcast (#3, later than rank 0's all-reduce #2).
+
+        def announced_next():
+            return segment.current(1) not in (announced, b"")
+
+        _pause_once(monkeypatch, cluster.communicators[0].p2p, "sweep_lanes", announced_next, in_sweep)
+
+        def program(c):
+            if c.rank == 1:
+                assert in_sweep.wait(10)
+            total = c.allreduce(np.full(4, c.rank + 1.0))
+            return total.tolist(), c.broadcast(np.full(2, c.rank + 5.0), root=0).tolist()
+
+        results = cluster.run_outcomes(program, timeout=30)
+    assert results == [([3.0] * 4, [5.0] * 2)] * 2, results
+
+
+def test_a_rank_that_arrives_finishes_and_leaves_before_the_failure_check_is_not_blamed(monkeypatch):
+    with ThreadCluster(2, transport_options("host-segment", spin_us=0.0)) as cluster:
+        cluster.run(lambda c: c.allreduce(np.ones(4)))
+        p2p = cluster.communicators[0].p2p
+        waiting = threading.Event()
+        # Rank 0 has read that rank 1 is missing; before it looks for failed peers, rank 1 comes,
+        # finishes and closes (a clean leave, which rank 0 records as rank 1 having left).
+        _pause_once(monkeypatch, p2p, "raise_if_failed", lambda: 1 in p2p._failed, waiting)
+
+        def program(c):
+            if c.rank == 1:
+                assert waiting.wait(10)
+                total = c.allreduce(np.full(4, 2.0))
+                c.close()
+                return total.tolist()
+            return c.allreduce(np.full(4, 1.0)).tolist()
+
+        results = cluster.run_outcomes(program, timeout=30)
+    assert results == [[3.0] * 4] * 2, results
+
+
+def test_ranks_whose_segment_sizes_differ_all_follow_the_segments_slots():
+    # Rank 0 made the segment with 4 KiB slots; rank 1 would take 8 KiB through it: it must not
+    # (it wrote past its slot into rank 2's), and all send 6,000 bytes by messages alike.
+    base = transport_options("host-segment", host_segment_bytes=4096, timeout_s=5.0)
+    with ThreadCluster(3, [base, dataclasses.replace(base, host_segment_bytes=8192), base]) as cluster:
+        for _ in range(2):  # both parities of every slot written
+            cluster.run(lambda c: c.allreduce(np.ones(4, np.float32)))
+        results = cluster.run(lambda c: c.allreduce(np.full(1500, c.rank + 1.0, np.float32)))
+        assert all(c._host_segment.slot_bytes == 4096 for c in cluster.communicators)
+        again = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0, np.float32)))
+    assert all(r.tolist() == [6.0] * 1500 for r in results)
+    assert all(r.tolist() == [6.0] * 4 for r in again)
+
+
+def test_a_descriptor_too_long_for_a_note_is_announced_as_none():
+    from elasticdl_strategy.transport.host_segment import NOTE_BYTES
+
+    with ThreadCluster(2, transport_options("host-segment")) as cluster:
+        cluster.run(lambda c: c.allreduce(np.ones(4)))
+        mine = cluster.communicators[0]._host_segment
+        mine.announce(b"x" * (NOTE_BYTES + 1))
+        assert cluster.communicators[1]._host_segment._segment.current(0) == b""
+        results = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0)))  # the segment still works
+    assert all(r.tolist() == [3.0] * 4 for r in results)
