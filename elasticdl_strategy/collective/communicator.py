@@ -92,7 +92,7 @@ class Communicator:
         groups = hierarchical.host_groups(hosts if hosts is not None else [host_of(a) for a in p2p.addresses])
         self._host_groups = groups if p2p.options.hierarchical and hierarchical.applies(groups) else None
         # Small all-reduces of ranks all on one host go through a host segment, set up by the first.
-        self._host_segment_possible = self.size > 1 and host_allreduce.possible(p2p.options, len(groups) == 1)
+        self._host_segment_possible = self.size > 1 and host_allreduce.possible(len(groups) == 1)
         self._host_segment: Optional[host_allreduce.HostAllreduce] = None
         self._lock = threading.Lock()
         self._sequence = 0
@@ -191,12 +191,13 @@ class Communicator:
         return result
 
     def _host_segment_takes(self, nbytes: int) -> bool:
-        """Whether a collective reducing ``nbytes`` may go through the host segment (if it is set up,
-        or may be); every rank decides alike: once it is set up, by its slots' size (rank 0's
-        ``host_segment_bytes``), whatever the others' options say."""
-        segment = self._host_segment
-        limit = segment.slot_bytes if segment is not None else self.p2p.options.host_segment_bytes
-        return self._host_segment_possible and nbytes <= limit
+        """Whether a collective reducing ``nbytes`` may go through the host segment: by the size of
+        its slots, which the ranks agreed on, or, before they have, whatever the size (the first
+        all-reduce or barrier sets it up, or finds that it cannot). Every rank decides alike,
+        whatever its own options say."""
+        if not self._host_segment_possible:
+            return False
+        return self._host_segment is None or nbytes <= self._host_segment.slot_bytes
 
     def _through_host_segment(self, call: ring.CollectiveCall, flat: np.ndarray, ufunc) -> bool:
         """All-reduces ``flat`` through the host segment (set up by the first call that may use one,
@@ -205,13 +206,12 @@ class Communicator:
         note = call.descriptor.SerializeToString()
         if self._host_segment is None:
             options = self.p2p.options
-            self._host_segment = host_allreduce.HostAllreduce.agree(
-                call, options.shared_memory_dir, options.host_segment_bytes
-            )
+            wanted = host_allreduce.wanted_slot_bytes(options)
+            self._host_segment = host_allreduce.HostAllreduce.agree(call, options.shared_memory_dir, wanted)
             if self._host_segment is None:
                 self._host_segment_possible = False
                 return False
-        if not host_allreduce.note_fits(note):
+        if flat.nbytes > self._host_segment.slot_bytes or not host_allreduce.note_fits(note):
             self._host_segment.announce(note)
             return False
         differing = self._host_segment.allreduce(call, flat, ufunc, note, self._raise_if_aborted, _elsewhere)

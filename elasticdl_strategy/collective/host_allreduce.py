@@ -8,10 +8,12 @@ that every descriptor equals its own, and reduces the N slots itself in rank ord
 rank does the same operations on the same values and gets the same bits, as with the direct
 exchange (and the same bits as it).
 
-The segment is set up by the first all-reduce that may use it (:meth:`HostAllreduce.agree`,
-inside that collective, over the point-to-point messages that stay the failure and control path):
-rank 0 creates it and sends its name to every rank; each maps it; the ranks agree (a direct
-all-reduce of who could) to use it from then on, or never in this membership.
+The segment is set up by the first all-reduce or barrier of a membership on one host, whatever its
+size (:meth:`HostAllreduce.agree`, inside that collective, over the point-to-point messages that
+stay the failure and control path): the ranks agree on the smallest slot size any asks for (none if
+one asks for none), rank 0 creates it and sends its name to every rank; each maps it; the ranks
+agree (a direct all-reduce of who could) to use it from then on, or never in this membership.
+Which calls go through it follows from its slots' size alone, the same on every rank.
 
 While a rank waits for the others it watches what would end a wait for a message: the
 communicator aborted (a peer failed, mismatched or timed out and said so), a peer that has not
@@ -46,9 +48,15 @@ logger = logging.getLogger(__name__)
 _OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, name
 
 
-def possible(options: TransportOptions, all_on_one_host: bool) -> bool:
-    """Whether a membership may set up a host segment: one host, shared memory, futexes."""
-    return all_on_one_host and options.shared_memory and options.host_segment_bytes > 0 and futex.AVAILABLE
+def possible(all_on_one_host: bool) -> bool:
+    """Whether a membership may set up a host segment: one host, futexes (the same on every rank;
+    what the ranks' options allow, :meth:`HostAllreduce.agree` finds out)."""
+    return all_on_one_host and futex.AVAILABLE
+
+
+def wanted_slot_bytes(options: TransportOptions) -> int:
+    """The slot size this rank's options ask for in :meth:`HostAllreduce.agree`; 0: no segment."""
+    return options.host_segment_bytes if options.shared_memory else 0
 
 
 class HostAllreduce:
@@ -71,15 +79,23 @@ class HostAllreduce:
     @classmethod
     def agree(cls, call: CollectiveCall, directory: str, slot_bytes: int) -> Optional["HostAllreduce"]:
         """Sets up a segment among all ranks of ``call``; every rank calls it within the same collective.
+        ``slot_bytes``: the slots this rank's options ask for (:func:`wanted_slot_bytes`); the
+        segment's are the smallest any rank asks for, so that options differing between workers
+        still give every rank the same segment and the same choice of path.
 
         Returns:
-            the segment's all-reduce on every rank, or None on every rank (some rank could not
-            create or map it: another host or memory volume, no space).
+            the segment's all-reduce on every rank, or None on every rank (some rank asked for
+            none, or could not create or map it: another host or memory volume, no space).
 
         Raises:
             what the collective's messages raise (a peer failed, a mismatch, the deadline).
         """
         p2p = call.p2p
+        smallest = np.array([slot_bytes], np.int64)
+        direct.allreduce(call, smallest, np.minimum)
+        slot_bytes = int(smallest[0])
+        if slot_bytes <= 0:
+            return None
         segment = None
         try:
             if p2p.rank == 0:

@@ -227,18 +227,32 @@ def test_a_rank_that_arrives_finishes_and_leaves_before_the_failure_check_is_not
     assert results == [[3.0] * 4] * 2, results
 
 
-def test_ranks_whose_segment_sizes_differ_all_follow_the_segments_slots():
-    # Rank 0 made the segment with 4 KiB slots; rank 1 would take 8 KiB through it: it must not
-    # (it wrote past its slot into rank 2's), and all send 6,000 bytes by messages alike.
-    base = transport_options("host-segment", host_segment_bytes=4096, timeout_s=5.0)
-    with ThreadCluster(3, [base, dataclasses.replace(base, host_segment_bytes=8192), base]) as cluster:
-        for _ in range(2):  # both parities of every slot written
-            cluster.run(lambda c: c.allreduce(np.ones(4, np.float32)))
-        results = cluster.run(lambda c: c.allreduce(np.full(1500, c.rank + 1.0, np.float32)))
-        assert all(c._host_segment.slot_bytes == 4096 for c in cluster.communicators)
-        again = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0, np.float32)))
-    assert all(r.tolist() == [6.0] * 1500 for r in results)
-    assert all(r.tolist() == [6.0] * 4 for r in again)
+@pytest.mark.parametrize(
+    "sizes, slots",
+    [((4096, 8192, 4096), 4096), ((8192, 4096, 8192), 4096), ((4096, 0, 4096), None), ((4096, 4096, None), None)],
+)
+def test_ranks_whose_options_differ_agree_on_one_segment_or_none(sizes, slots):
+    # host_segment_bytes per rank (None: no shared memory at all). A rank that took 8 KiB through
+    # a segment of 4 KiB slots wrote into the next rank's slot; one that took none while the others
+    # set one up failed the call with a mismatch.
+    base = transport_options("host-segment", timeout_s=5.0)
+    options = [
+        dataclasses.replace(base, shared_memory=False)
+        if size is None
+        else dataclasses.replace(base, host_segment_bytes=size)
+        for size in sizes
+    ]
+    with ThreadCluster(3, options) as cluster:
+
+        def program(c):
+            return [c.allreduce(np.full(n, c.rank + 1.0, np.float32)).tolist() for n in (1500, 4, 4, 1500, 4)]
+
+        results = cluster.run(program)
+        found = {c._host_segment.slot_bytes if c._host_segment else None for c in cluster.communicators}
+    assert found == {slots}
+    for n, result in zip((1500, 4, 4, 1500, 4), results[0]):
+        assert result == [6.0] * n
+    assert results[1] == results[2] == results[0]
 
 
 def test_a_descriptor_too_long_for_a_note_is_announced_as_none():

@@ -187,8 +187,9 @@ def test_streams_move_to_data_sockets_and_give_the_same_bits_as_grpc(n):
     rng = np.random.default_rng(n)
     inputs = [rng.standard_normal(300_001).astype(np.float32) for _ in range(n)]  # several pieces, uneven
     results = {}
+    hosts = [f"host-{r}" for r in range(n)]  # no host segment to agree on (a message to every peer)
     for transport in ("data-socket", "grpc"):
-        with ThreadCluster(n, transport_options(transport)) as cluster:
+        with ThreadCluster(n, transport_options(transport), hosts=hosts) as cluster:
             results[transport] = cluster.run(lambda c: c.allreduce(inputs[c.rank].copy(), op="sum"))
             for comm in cluster.communicators:
                 expected = [(comm.rank + 1) % n] if transport == "data-socket" else []  # the ring's right neighbour

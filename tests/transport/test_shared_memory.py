@@ -95,7 +95,9 @@ def test_same_host_peers_send_payloads_through_shared_memory_with_identical_resu
     rng = np.random.default_rng(n)
     # Segments of 2-3 MiB: above the size that goes raw on the data socket; many slots, uneven.
     inputs = [rng.standard_normal(1_500_001).astype(np.float32) for _ in range(n)]
-    with ThreadCluster(n, _options(tmp_path)) as cluster:
+    # Ranks said to be on hosts of their own: no host segment to agree on (a message to every peer).
+    hosts = [f"host-{r}" for r in range(n)]
+    with ThreadCluster(n, _options(tmp_path), hosts=hosts) as cluster:
         shm = _allreduce_on(cluster, lambda r: inputs[r].copy())
         for comm in cluster.communicators:
             peers = comm.p2p.shared_memory_peers
@@ -103,10 +105,10 @@ def test_same_host_peers_send_payloads_through_shared_memory_with_identical_resu
             assert comm.p2p.data_socket_peers == peers  # which carries the frames naming slots
             assert comm.p2p.shared_bytes_sent == comm.p2p.bytes_sent > 0
         assert _arenas_left(tmp_path) == []  # unlinked once mapped
-    with ThreadCluster(n, _options(tmp_path, shared_memory=False)) as cluster:
+    with ThreadCluster(n, _options(tmp_path, shared_memory=False), hosts=hosts) as cluster:
         without_shm = _allreduce_on(cluster, lambda r: inputs[r].copy())
         assert all(c.p2p.shared_memory_peers == [] and c.p2p.shared_bytes_sent == 0 for c in cluster.communicators)
-    with ThreadCluster(n, _options(tmp_path, data_socket=False)) as cluster:
+    with ThreadCluster(n, _options(tmp_path, data_socket=False), hosts=hosts) as cluster:
         on_grpc = _allreduce_on(cluster, lambda r: inputs[r].copy())
         assert all(c.p2p.data_socket_peers == [] for c in cluster.communicators)
         assert all(c.p2p.shared_bytes_sent == c.p2p.bytes_sent > 0 for c in cluster.communicators)
