@@ -120,7 +120,9 @@ class HostSegment:
         _, size = _layout(ranks, slot_bytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Its memory taken now: on a full /dev/shm that raises here (ENOSPC), not SIGBUS at a
+            # later write into a slot.
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
         except OSError:
             _unlink(path)

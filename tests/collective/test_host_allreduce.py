@@ -2,6 +2,8 @@
 exchange, and every failure a message path would see (a peer that left, a deadline, a mismatch)."""
 
 import dataclasses
+import errno
+import os
 import threading
 import time
 
@@ -264,4 +266,15 @@ def test_a_descriptor_too_long_for_a_note_is_announced_as_none():
         mine.announce(b"x" * (NOTE_BYTES + 1))
         assert cluster.communicators[1]._host_segment._segment.current(0) == b""
         results = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0)))  # the segment still works
+    assert all(r.tolist() == [3.0] * 4 for r in results)
+
+
+def test_no_room_for_the_segment_means_messages_for_every_rank(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # /dev/shm full: a write into the file would SIGBUS
+    with ThreadCluster(2, transport_options("host-segment")) as cluster:
+        results = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0)))
+        assert all(c._host_segment is None and not c._host_segment_possible for c in cluster.communicators)
     assert all(r.tolist() == [3.0] * 4 for r in results)
