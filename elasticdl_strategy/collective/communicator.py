@@ -211,7 +211,7 @@ class Communicator:
             if self._host_segment is None:
                 self._host_segment_possible = False
                 return False
-        if flat.nbytes > self._host_segment.slot_bytes or not host_allreduce.note_fits(note):
+        if not self._host_segment_takes(flat.nbytes) or not host_allreduce.note_fits(note):
             self._host_segment.announce(note)
             return False
         differing = self._host_segment.allreduce(call, flat, ufunc, note, self._raise_if_aborted, _elsewhere)

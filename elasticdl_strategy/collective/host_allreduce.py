@@ -150,8 +150,6 @@ class HostAllreduce:
         if self._closed:
             raise _closed(call.p2p.rank)
         segment = self._segment
-        if flat.nbytes > segment.slot_bytes:  # the caller decides by slot_bytes: a bug if it did not
-            raise ValueError(f"{flat.nbytes} bytes do not fit a slot of {segment.slot_bytes}")
         count = self._count + 1
         parity = count % 2
         np.copyto(self._view(segment.rank, parity, flat), flat)

@@ -165,7 +165,13 @@ class HostSegment:
     # ---- the caller's side -----------------------------------------------------------------
 
     def slot(self, rank: int, parity: int, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of ``rank``'s slot of ``parity`` (page-aligned)."""
+        """The first ``nbytes`` of ``rank``'s slot of ``parity`` (page-aligned).
+
+        Raises:
+            ValueError: ``nbytes`` exceeds a slot (it would reach into the next one).
+        """
+        if not 0 <= nbytes <= self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit a slot of {self.slot_bytes}")
         start = self._first_slot + (2 * rank + parity) * self.slot_bytes
         return self._bytes[start : start + nbytes]
 

@@ -49,6 +49,13 @@ def test_the_two_parities_keep_a_slow_readers_slot(pair):
     assert bytes(first.slot(1, 0, 1)) == b"b" and first.note(1, 2) == b"two"
 
 
+def test_a_slot_is_never_handed_out_larger_than_it_is(pair):
+    first, _ = pair
+    assert len(first.slot(0, 0, SLOT)) == SLOT
+    with pytest.raises(ValueError, match="do not fit a slot"):
+        first.slot(0, 0, SLOT + 1)  # it would reach into rank 0's other parity
+
+
 def test_opening_checks_the_nonce_the_membership_and_the_name(pair, tmp_path):
     first, _ = pair
     with pytest.raises(ValueError, match="not the offered segment"):
