@@ -80,6 +80,12 @@ class SharedMemoryPath:
         self._stopped = False
         self._cond = threading.Condition()
 
+    def usable(self) -> bool:
+        """Whether payloads may go through the slots: False, for good, where the shared-memory
+        directory has no room for them (:meth:`.SendArena.back_slots`); they then go the way
+        they would without an arena."""
+        return self.arena.back_slots()
+
     def frames(self, header: peer_pb2.MessageHeader, payload: memoryview) -> Iterator[bytes]:
         """One frame per slot filled (the first is the message's header); waits for free slots."""
         piece = self.arena.slot_size
@@ -123,7 +129,7 @@ class GrpcPath:
         self.shared = shared
 
     def frames(self, header: peer_pb2.MessageHeader, payload: memoryview, chunk_size: int) -> Iterator[bytes]:
-        if len(payload) and self.shared is not None:
+        if len(payload) and self.shared is not None and self.shared.usable():
             yield from self.shared.frames(header, payload)
         elif 0 < len(payload) <= chunk_size:
             yield frames.encode_whole_message(payload, header)
@@ -166,7 +172,7 @@ class DataSocketPath:
         if not self._attached:
             self._attached = True
             yield frames.encode_data_socket_attached()
-        if self.shared is not None and len(payload) > RAW_ON_SOCKET_MAX_BYTES:
+        if self.shared is not None and len(payload) > RAW_ON_SOCKET_MAX_BYTES and self.shared.usable():
             for frame in self.shared.frames(header, payload):
                 self.socket.send_frame(frame)
         else:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import mmap
 import struct
 import threading
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -131,13 +131,22 @@ class _Lane:
 
 
 class SendLane(_Lane):
-    """The writing end: :meth:`try_send` from the thread that sends."""
+    """The writing end: :meth:`try_send` from the thread that sends.
 
-    def __init__(self, mapping: mmap.mmap, ring_offset: int, capacity: int):
+    ``back(start, end)``, if given, takes the memory of the ring's bytes ``[start, end)``
+    before they are first written, False when there is no room; the ring is then used
+    only as far as it reached (:meth:`.shared_memory.SendArena.back_slots` says why).
+    """
+
+    def __init__(
+        self, mapping: mmap.mmap, ring_offset: int, capacity: int, back: Optional[Callable[[int, int], bool]] = None
+    ):
         super().__init__(mapping, ring_offset, capacity)
         self._position = self._written[0]
         self._restarted[0] = self._restart = _NEVER  # before the arena is offered to the reader
         self._lock = threading.Lock()  # several threads may send to one peer
+        self._back = back
+        self._backed = 0 if back else capacity  # the ring's bytes [0, _backed) may be written
 
     def try_send(self, header: bytes, payload: memoryview) -> bool:
         """Writes one message and wakes the reader; False, writing nothing, when it does not fit now.
@@ -157,7 +166,8 @@ class SendLane(_Lane):
             if consumed == self._position and self._position % self.capacity:  # empty: start over at 0
                 self._restarted[0] = self._restart = self._position
                 self._position = consumed = self._lap_after(self._position)
-            if self._end_after(sizes) - consumed > self.capacity:
+            end, furthest = self._extent(sizes)
+            if end - consumed > self.capacity or not self._reach(furthest):
                 return False
             if len(sizes) == 1:  # the usual case, without the pieces' slicing
                 self._write_record(sizes[0], header, payload)
@@ -186,15 +196,29 @@ class SendLane(_Lane):
             sizes.append(_PREFIX.size + _aligned(min(piece, payload_length - start)))
         return sizes
 
-    def _end_after(self, sizes: List[int]) -> int:
-        """Where the writer would be after writing records of ``sizes``, wraps included."""
-        position = self._position
+    def _extent(self, sizes: List[int]) -> Tuple[int, int]:
+        """Where the writer would be after writing records of ``sizes``, wraps included, and the
+        furthest byte of the ring they (and a WRAP mark) reach."""
+        position, furthest = self._position, 0
         for size in sizes:
             start = position % self.capacity
             if size > self.capacity - start:
+                furthest = max(furthest, start + _WRAP_MARK.size)
                 position += self.capacity - start
+                start = 0
             position += size
-        return position
+            furthest = max(furthest, start + size)
+        return position, furthest
+
+    def _reach(self, furthest: int) -> bool:
+        """Whether the ring's bytes up to ``furthest`` may be written, taking their memory if need be."""
+        if furthest <= self._backed:
+            return True
+        if self._back is None or not self._back(self._backed, furthest):
+            self._back = None  # no room: the ring stays as far as it reached
+            return False
+        self._backed = furthest
+        return True
 
     def _write_record(self, size: int, header: Optional[bytes], payload: memoryview) -> None:
         """Writes one record at the writer's place (after a WRAP if it does not fit before the end) and

@@ -19,6 +19,11 @@ A sender also holds a life mark in the arena's first page (:mod:`.life_marks`),
 which the receiver watches: a sender that dies is seen dead at once, tens of
 milliseconds before its connections close.
 
+The file's memory is taken (``posix_fallocate``) as its parts are first used
+(the first page at once, the lane as far as its messages reach, all slots
+before the first is filled): where the directory is full, the bytes take the
+stream instead, where a write into the mapping would have killed the process.
+
 Both sides unlink the file as soon as the receiver has mapped it (or refused
 it), so the memory goes away with the last process that maps it, even when a
 worker is killed. Only a sender killed in the milliseconds between creating an
@@ -122,16 +127,22 @@ class SendArena:
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, _HEADER_BYTES)  # written now; the rest when first used (_back)
             self._map = mmap.mmap(fd, size)
         except OSError:
+            os.close(fd)
             _unlink(self._path)
             raise
-        finally:
-            os.close(fd)
+        self._fd = fd  # to take the memory of the lane and the slots later, after the name is gone
+        weakref.finalize(self, os.close, fd)
         self._map[:_NONCE_BYTES] = self.nonce
-        first = _HEADER_BYTES + lane_bytes
-        self._slots = [np.frombuffer(self._map, np.uint8, slot_size, first + i * slot_size) for i in range(slots)]
-        self.lane = SendLane(self._map, _HEADER_BYTES, lane_bytes) if lane_bytes else None
+        self._first_slot = _HEADER_BYTES + lane_bytes
+        self._slots_backed: Optional[bool] = None
+        self._short_of_room = False  # said once per arena
+        self._slots = [
+            np.frombuffer(self._map, np.uint8, slot_size, self._first_slot + i * slot_size) for i in range(slots)
+        ]
+        self.lane = SendLane(self._map, _HEADER_BYTES, lane_bytes, self._back_lane) if lane_bytes else None
         self._mark: Optional[life_marks.HeldMark] = None
         if lane_bytes and life_marks.AVAILABLE:  # only a lane's reader maps the arena writable, to watch it
             try:
@@ -151,6 +162,19 @@ class SendArena:
             name=self.name, nonce=self.nonce, slots=self.slots, slot_size=self.slot_size, lane_bytes=self.lane_bytes
         )
 
+    def back_slots(self) -> bool:
+        """Takes the memory of every slot (once); False when the directory has no room for it.
+
+        Slots are filled only after this returned True: a write into a page of the file
+        that the filesystem cannot provide kills the process (SIGBUS), where a full
+        ``/dev/shm`` (64 MiB in a default Docker container) should only mean that the bytes
+        take another path. All slots at once, because the receiver hands them back in
+        batches of half the arena (:meth:`ReceiveArena.consumed`).
+        """
+        if self._slots_backed is None:
+            self._slots_backed = self._back(self._first_slot, self.slots * self.slot_size)
+        return self._slots_backed
+
     def fill(self, slot: int, data: memoryview) -> int:
         """Copies ``data`` (at most one slot) into ``slot``; returns its length."""
         n = len(data)
@@ -160,6 +184,26 @@ class SendArena:
     def unlink(self) -> None:
         """Removes the file's name; the mappings stay valid until both sides drop them."""
         _unlink(self._path)
+
+    def _back_lane(self, start: int, end: int) -> bool:
+        """Takes the memory of the lane's bytes ``[start, end)`` (:class:`.lanes.SendLane`)."""
+        first = start - start % mmap.PAGESIZE
+        return self._back(_HEADER_BYTES + first, end - first)
+
+    def _back(self, offset: int, nbytes: int) -> bool:
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError as e:
+            if self._short_of_room:
+                return False
+            self._short_of_room = True
+            logger.warning(
+                "no room for %d more bytes of shared memory in %s (%s): payloads to this peer take the "
+                "stream instead (a larger EDL_SHM_DIR or /dev/shm makes them faster)",
+                nbytes, os.path.dirname(self._path), e.strerror,
+            )  # fmt: skip
+            return False
+        return True
 
 
 class ReceiveArena:

@@ -1,6 +1,11 @@
 """The same-host shared-memory path: arenas, negotiation, fallback to gRPC, identical results."""
 
+import errno
+import mmap
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,6 +16,7 @@ from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.shared_memory import NAME_PREFIX, STALE_AFTER_S, ReceiveArena, SendArena
 from tests.cluster import ThreadCluster
+from tests.launch import REPO_ROOT
 
 SLOT = 64 << 10
 
@@ -189,3 +195,82 @@ def test_a_stream_closed_on_purpose_lets_go_of_its_life_mark_before_its_goodbye(
         assert leaver.p2p.shared_memory_peers == [0]
         leaver.close(timeout=5.0)
     assert released_at_goodbye and all(released_at_goodbye), released_at_goodbye
+
+
+# ---- a shared-memory directory without room ----------------------------------------------------
+
+
+def _fallocate_without_room_past(limit, calls):
+    """``os.posix_fallocate`` that records its calls and fails with ENOSPC past byte ``limit`` of a file."""
+    real = os.posix_fallocate
+
+    def posix_fallocate(fd, offset, length):
+        calls.append((offset, length))
+        if offset + length > limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    return posix_fallocate
+
+
+@pytest.mark.parametrize("transport", ["data-socket", "grpc"])
+def test_payloads_take_the_stream_when_the_directory_has_no_room_for_the_slots(tmp_path, monkeypatch, transport):
+    calls = []
+    monkeypatch.setattr(os, "posix_fallocate", _fallocate_without_room_past(mmap.PAGESIZE, calls))
+    data = np.arange(3_000_001, dtype=np.float32)  # halves of 6 MiB: through the slots, were there room
+    options = _options(tmp_path, data_socket=transport == "data-socket")
+    with ThreadCluster(2, options, hosts=["host-0", "host-1"]) as cluster:
+        for _ in range(2):  # the second after the slots were refused for good
+            for result in cluster.run(lambda c: c.allreduce(data * (c.rank + 1))):
+                np.testing.assert_array_equal(result, data * 3)
+        for c in cluster.communicators:
+            assert c.p2p.shared_memory_peers == [1 - c.rank]  # the arena was mapped ...
+            assert c.p2p.shared_bytes_sent == 0 and c.p2p.bytes_sent > 0  # ... and its slots never written
+    slot_calls = [call for call in calls if call[0] > 0]
+    assert len(slot_calls) == 2, calls  # one try per arena, not one per message
+
+
+def test_a_lane_writes_only_where_its_memory_was_taken_and_refuses_messages_beyond_room(tmp_path, monkeypatch):
+    from tests.transport.test_lanes import read_all
+
+    lane_bytes, room = 1 << 20, 64 << 10
+    calls = []
+    monkeypatch.setattr(os, "posix_fallocate", _fallocate_without_room_past(mmap.PAGESIZE + room, calls))
+    sender = SendArena(str(tmp_path), 2, SLOT, lane_bytes=lane_bytes)
+    receiver, refusal = ReceiveArena.open(str(tmp_path), sender.offer())
+    assert receiver is not None, refusal
+    ring = np.frombuffer(sender._map, np.uint8, lane_bytes, mmap.PAGESIZE)
+    ring[:] = 0xAB  # untouched bytes keep it
+    small = [bytes([i]) * 3000 for i in range(5)]
+    for payload in small:  # 15 KiB: the memory taken as the messages reach further
+        assert sender.lane.try_send(b"small", memoryview(payload))
+    taken = max(offset + length for offset, length in calls) - mmap.PAGESIZE
+    assert 15_000 < taken < room and len(calls) == 1 + 5  # the first page, then each message's own bytes
+    assert not sender.lane.try_send(b"large", memoryview(bytes(100 << 10)))  # past the room: refused whole
+    assert np.all(ring[taken:] == 0xAB)  # nothing written where no memory was taken
+    assert read_all(receiver.lane) == [(b"small", p) for p in small]
+    calls.clear()
+    assert sender.lane.try_send(b"again", memoryview(small[0]))  # the ring starts over in the memory it has
+    assert read_all(receiver.lane) == [(b"again", small[0])] and calls == []
+    receiver.close()
+
+
+def _can_mount_a_small_tmpfs(directory) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory}"]
+    return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+
+
+def test_a_full_shared_memory_directory_slows_payloads_down_and_kills_nothing(tmp_path):
+    """For real: an 8 MiB tmpfs (in a mount namespace of the test's own) for 2 arenas of 48 MiB."""
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    if not _can_mount_a_small_tmpfs(directory):
+        pytest.skip("needs unshare and tmpfs mounts in a user namespace")
+    worker = f"{sys.executable} -m tests.workers.full_shm_dir {directory}"
+    script = f"mount -t tmpfs -o size=8m tmpfs {directory} && exec {worker}"
+    command = ["unshare", "-rm", "sh", "-c", script]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode} (-7, 135: SIGBUS)\n{done.stdout}\n{done.stderr[-3000:]}"
+    assert "sums ok" in done.stdout, done.stdout
