@@ -1,4 +1,4 @@
-"""Small all-reduces among the ranks of one host, through a host segment: one round, no messages.
+"""Small all-reduces among the ranks of one host, through a host segment: one round (two for larger ones), no messages.
 
 The direct exchange (:mod:`.direct`) sends each rank's array to every peer: 2(N-1) lane messages
 per rank, each a header, a copy and a wake. Through a host segment
@@ -6,7 +6,9 @@ per rank, each a header, a copy and a wake. Through a host segment
 once, publishes it with its collective's descriptor, waits until every rank has published, checks
 that every descriptor equals its own, and reduces the N slots itself in rank order 0..N-1: every
 rank does the same operations on the same values and gets the same bits, as with the direct
-exchange (and the same bits as it).
+exchange (and the same bits as it). Where N slots are too much to read for every rank
+(:func:`splits`), each rank reduces only its own part of them, in the same order, and puts it back
+in its slot; after a second round of arrivals each copies the others' parts.
 
 The segment is set up by the first all-reduce or barrier of a membership on one host, whatever its
 size (:meth:`HostAllreduce.agree`, inside that collective, over the point-to-point messages that
@@ -46,6 +48,8 @@ from elasticdl_strategy.transport.options import TransportOptions
 logger = logging.getLogger(__name__)
 
 _OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, name
+# See splits(): (N - 2) arrays of this many bytes in all take longer to read than a second round.
+SPLIT_MIN_BYTES = 256 << 10
 
 
 def possible(all_on_one_host: bool) -> bool:
@@ -68,7 +72,8 @@ class HostAllreduce:
 
     def __init__(self, segment: HostSegment):
         self._segment = segment
-        self._count = 0  # all-reduces published through the segment
+        self._calls = 0  # all-reduces through the segment: their parity chooses the slots
+        self._count = 0  # arrivals published (two for an all-reduce that splits)
         self._views: Dict[tuple, np.ndarray] = {}
         self._closed = False
 
@@ -150,21 +155,53 @@ class HostAllreduce:
         if self._closed:
             raise _closed(call.p2p.rank)
         segment = self._segment
-        count = self._count + 1
-        parity = count % 2
+        self._calls += 1
+        parity = self._calls % 2
         np.copyto(self._view(segment.rank, parity, flat), flat)
-        segment.publish(count, note)
-        self._count = count
+        count = self._publish(note)
         elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
         if elsewhere:
             return elsewhere
         differing = [r for r in range(segment.ranks) if not segment.noted(r, count, note)]
         if differing:
             return {r: segment.note(r, count) for r in differing}
-        ufunc(self._view(0, parity, flat), self._view(1, parity, flat), out=flat)
-        for r in range(2, segment.ranks):
-            ufunc(flat, self._view(r, parity, flat), out=flat)
+        if splits(flat.nbytes, segment.ranks):
+            self._reduce_split(call, flat, ufunc, parity, note, healthy)
+        else:
+            self._reduce(flat, ufunc, parity, slice(None))
         return {}
+
+    def _publish(self, note: bytes) -> int:
+        """Publishes this rank's next arrival (its slot and ``note``); returns its count."""
+        self._count += 1
+        self._segment.publish(self._count, note)
+        return self._count
+
+    def _reduce(self, flat: np.ndarray, ufunc: Callable, parity: int, part: slice) -> None:
+        """``flat[part]`` = the ``part`` of every rank's slot reduced in rank order 0..N-1."""
+        out = flat[part]
+        ufunc(self._view(0, parity, flat)[part], self._view(1, parity, flat)[part], out=out)
+        for r in range(2, self._segment.ranks):
+            ufunc(out, self._view(r, parity, flat)[part], out=out)
+
+    def _reduce_split(
+        self, call: CollectiveCall, flat: np.ndarray, ufunc: Callable, parity: int, note: bytes, healthy: Callable
+    ) -> None:
+        """Each rank reduces its own part of the slots (:func:`parts`) and puts it back in its own
+        slot, where no other rank reads (each reads its own part of every slot); once every rank
+        has published its part, each copies the others'. Each element is reduced by the same
+        operations in the same order as by :meth:`_reduce`: the same bits."""
+        rank, ranks = self._segment.rank, self._segment.ranks
+        bounds = parts(flat.size, ranks)
+        mine = slice(bounds[rank], bounds[rank + 1])
+        self._reduce(flat, ufunc, parity, mine)
+        self._view(rank, parity, flat)[mine] = flat[mine]
+        count = self._publish(note)
+        self._wait(call, count, healthy, lambda theirs: False)  # all agreed on this call already
+        for r in range(ranks):
+            if r != rank:
+                theirs = slice(bounds[r], bounds[r + 1])
+                flat[theirs] = self._view(r, parity, flat)[theirs]
 
     def announce(self, note: bytes) -> None:
         """Tells the ranks of the segment what this rank does now (every collective's descriptor).
@@ -252,6 +289,22 @@ class HostAllreduce:
         notes = {r: self._segment.current(r) for r in missing}
         late = self._segment.missing(count)
         return {r: note for r, note in notes.items() if r in late and note and elsewhere(note)}
+
+
+def splits(nbytes: int, ranks: int) -> bool:
+    """Whether an all-reduce of ``nbytes`` among ``ranks`` is reduced in parts, one per rank (a
+    second round, and every rank reads about 2 arrays instead of N): where (N - 2) arrays to read
+    cost more than a round. Measured at N = 4 to 16 (benchmarks/README.md)."""
+    return nbytes * (ranks - 2) >= SPLIT_MIN_BYTES
+
+
+def parts(size: int, ranks: int) -> List[int]:
+    """The bounds of the ranks' parts of ``size`` elements: rank r reduces ``[b[r], b[r + 1])``.
+
+    >>> parts(10, 4)
+    [0, 2, 5, 7, 10]
+    """
+    return [size * r // ranks for r in range(ranks + 1)]
 
 
 def _closed(rank: int) -> CommunicatorClosedError:

@@ -278,3 +278,60 @@ def test_no_room_for_the_segment_means_messages_for_every_rank(monkeypatch):
         results = cluster.run(lambda c: c.allreduce(np.full(4, c.rank + 1.0)))
         assert all(c._host_segment is None and not c._host_segment_possible for c in cluster.communicators)
     assert all(r.tolist() == [3.0] * 4 for r in results)
+
+
+def test_which_all_reduces_split_and_the_parts_of_each_rank():
+    assert not host_allreduce.splits(256 << 10, 2)  # two ranks read two slots either way
+    assert host_allreduce.splits(256 << 10, 3) and not host_allreduce.splits((256 << 10) - 4, 3)
+    assert host_allreduce.splits(16 << 10, 18) and not host_allreduce.splits(4 << 10, 16)
+    for size, ranks in [(10, 4), (3, 4), (65533, 16), (0, 3)]:
+        bounds = host_allreduce.parts(size, ranks)
+        assert bounds[0] == 0 and bounds[-1] == size and bounds == sorted(bounds) and len(bounds) == ranks + 1
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_larger_allreduces_split_the_reduction_among_the_ranks_and_give_the_same_bits(n):
+    # Interleaved with calls that do not split, so that slots and arrivals alternate unevenly.
+    calls = [(65536, np.float32), (1000, np.float32), (65533, np.float32), (0, None), (32768, np.float64)]
+    inputs = {size: _inputs(n, size, dtype) for size, dtype in calls if dtype is not None}
+    with ThreadCluster(n, transport_options("host-segment")) as cluster:
+        cluster.run(lambda c: c.barrier())  # sets the segment up
+
+        def program(c):
+            before, results = c._host_segment._count, []
+            for size, dtype in calls:
+                if dtype is None:
+                    c.barrier()
+                else:
+                    results.append(c.allreduce(inputs[size][c.rank]))
+            return c._host_segment._count - before, results
+
+        outcomes = cluster.run(program)
+    # A split takes two arrivals. The two calls of 256 KiB split; at N = 4 also the one just under.
+    splitting = {3: 2, 4: 3}[n]
+    assert [arrivals for arrivals, _ in outcomes] == [len(calls) + splitting] * n
+    sizes = [size for size, dtype in calls if dtype is not None]
+    for i, size in enumerate(sizes):
+        expected = inputs[size][0] + inputs[size][1]
+        for x in inputs[size][2:]:  # rank order 0..N-1, as every rank reduces
+            expected += x
+        for _, results in outcomes:
+            assert results[i].tobytes() == expected.tobytes(), (size, i)
+
+
+def test_a_peer_that_leaves_between_the_two_rounds_of_a_split_fails_the_others_at_once():
+    with ThreadCluster(3, transport_options("host-segment", spin_us=0.0)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        leaver = cluster.communicators[2]
+
+        def leave(*args):  # rank 2 has arrived with its slot, then leaves instead of reducing its part
+            leaver.close()
+            raise RuntimeError("left between the rounds")
+
+        leaver._host_segment._reduce_split = leave
+        start = time.monotonic()
+        outcomes = cluster.run_outcomes(lambda c: c.allreduce(np.ones(65536, np.float32)), timeout=30)
+    assert "left between the rounds" in str(outcomes[2])
+    for outcome in outcomes[:2]:
+        assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
+    assert time.monotonic() - start < 10
