@@ -52,7 +52,7 @@ import numpy as np
 
 from elasticdl_strategy.transport import futex
 from elasticdl_strategy.transport.futex import memory_barrier, word
-from elasticdl_strategy.transport.shared_memory import remove_stale_arenas
+from elasticdl_strategy.transport.shared_memory import remove_stale_arenas, unlink_quietly
 
 NAME_PREFIX = "edl-segment-"
 _NAME_PATTERN = re.compile(r"edl-segment-[0-9]+-[0-9a-f]{16}")
@@ -125,7 +125,7 @@ class HostSegment:
             os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
         except OSError:
-            _unlink(path)
+            unlink_quietly(path)
             raise
         finally:
             os.close(fd)
@@ -160,7 +160,7 @@ class HostSegment:
 
     def unlink(self) -> None:
         """Removes the file's name (every rank maps it, or gave up); the mappings stay valid."""
-        _unlink(self._path)
+        unlink_quietly(self._path)
 
     # ---- the caller's side -----------------------------------------------------------------
 
@@ -266,10 +266,3 @@ class HostSegment:
             self._map.close()
         except BufferError:
             pass  # a slot's view is still referenced somewhere; the mapping goes with it
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

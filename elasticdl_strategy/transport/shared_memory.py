@@ -70,11 +70,16 @@ def _arena_bytes(slots: int, slot_size: int, lane_bytes: int) -> int:
     return _HEADER_BYTES + lane_bytes + slots * slot_size
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Removes the name ``path``. One already gone is fine; another failure is logged, not raised:
+    a name left behind is removed by age (:func:`remove_stale_arenas`), while an exception would
+    end the thread that unlinks (a stream's reply reader, which hands back the slots)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as e:
+        logger.warning("cannot remove %s (%s); it is removed by age later", path, e.strerror)
 
 
 def remove_stale_arenas(directory: str, now: Optional[float] = None, pattern: re.Pattern = _NAME_PATTERN) -> List[str]:
@@ -131,7 +136,7 @@ class SendArena:
             self._map = mmap.mmap(fd, size)
         except OSError:
             os.close(fd)
-            _unlink(self._path)
+            unlink_quietly(self._path)
             raise
         self._fd = fd  # to take the memory of the lane and the slots later, after the name is gone
         weakref.finalize(self, os.close, fd)
@@ -183,7 +188,7 @@ class SendArena:
 
     def unlink(self) -> None:
         """Removes the file's name; the mappings stay valid until both sides drop them."""
-        _unlink(self._path)
+        unlink_quietly(self._path)
 
     def _back_lane(self, start: int, end: int) -> bool:
         """Takes the memory of the lane's bytes ``[start, end)`` (:class:`.lanes.SendLane`)."""
@@ -252,7 +257,7 @@ class ReceiveArena:
         if not hmac.compare_digest(mapping[:_NONCE_BYTES], offer.nonce):
             mapping.close()
             return None, f"{path} is not the sender's arena (another host's file of the same name?)"
-        _unlink(path)
+        unlink_quietly(path)
         return cls(mapping, offer.slots, offer.slot_size, lane_bytes), ""
 
     def view(self, chunk: peer_pb2.SharedChunk) -> memoryview:

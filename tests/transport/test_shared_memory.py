@@ -274,3 +274,23 @@ def test_a_full_shared_memory_directory_slows_payloads_down_and_kills_nothing(tm
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"exit {done.returncode} (-7, 135: SIGBUS)\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "sums ok" in done.stdout, done.stdout
+
+
+def test_an_arena_whose_name_cannot_be_removed_is_still_used(tmp_path, monkeypatch):
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path).startswith(NAME_PREFIX):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    data = np.arange(3_000_001, dtype=np.float32)
+    start = time.monotonic()
+    with ThreadCluster(2, _options(tmp_path), hosts=["host-0", "host-1"]) as cluster:
+        for result in cluster.run(lambda c: c.allreduce(data * (c.rank + 1))):
+            np.testing.assert_array_equal(result, data * 3)
+        for c in cluster.communicators:  # through the slots, not over the stream after a 10 s wait
+            assert c.p2p.shared_memory_peers == [1 - c.rank] and c.p2p.shared_bytes_sent > 0
+    assert time.monotonic() - start < 8
+    assert len(_arenas_left(tmp_path)) == 2  # left for removal by age
