@@ -176,8 +176,10 @@ class HostSegment:
         return self._bytes[start : start + nbytes]
 
     def publish(self, count: int, note: bytes) -> None:
-        """Publishes this rank's slot of parity ``count % 2`` (filled already) with ``note``: its
-        arrival count becomes ``count``, then every sleeping rank is woken."""
+        """Publishes ``note`` (in its note of parity ``count % 2``) and what this rank wrote into its
+        slots: its arrival count becomes ``count``, then every sleeping rank is woken. Which slot a
+        call uses is the caller's choice (:mod:`elasticdl_strategy.collective.host_allreduce`: by the
+        call's number, since a call may publish twice)."""
         self._write_note(self._notes[self.rank][count % 2], 0, note)
         self._arrivals[self.rank][0] = count  # after the slot and the note: x86-64 keeps stores in order
         memory_barrier()  # the arrival's store before the loads of the sleeping flags (module docstring)

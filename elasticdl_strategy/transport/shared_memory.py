@@ -132,22 +132,20 @@ class SendArena:
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, _HEADER_BYTES)  # written now; the rest when first used (_back)
+            os.posix_fallocate(fd, 0, _HEADER_BYTES)  # written now; the rest when first used (_Room)
             self._map = mmap.mmap(fd, size)
         except OSError:
             os.close(fd)
             unlink_quietly(self._path)
             raise
-        self._fd = fd  # to take the memory of the lane and the slots later, after the name is gone
-        weakref.finalize(self, os.close, fd)
+        self._room = _Room(fd, self._path)
         self._map[:_NONCE_BYTES] = self.nonce
         self._first_slot = _HEADER_BYTES + lane_bytes
         self._slots_backed: Optional[bool] = None
-        self._short_of_room = False  # said once per arena
         self._slots = [
             np.frombuffer(self._map, np.uint8, slot_size, self._first_slot + i * slot_size) for i in range(slots)
         ]
-        self.lane = SendLane(self._map, _HEADER_BYTES, lane_bytes, self._back_lane) if lane_bytes else None
+        self.lane = SendLane(self._map, _HEADER_BYTES, lane_bytes, self._room.take_lane) if lane_bytes else None
         self._mark: Optional[life_marks.HeldMark] = None
         if lane_bytes and life_marks.AVAILABLE:  # only a lane's reader maps the arena writable, to watch it
             try:
@@ -177,7 +175,7 @@ class SendArena:
         batches of half the arena (:meth:`ReceiveArena.consumed`).
         """
         if self._slots_backed is None:
-            self._slots_backed = self._back(self._first_slot, self.slots * self.slot_size)
+            self._slots_backed = self._room.take(self._first_slot, self.slots * self.slot_size)
         return self._slots_backed
 
     def fill(self, slot: int, data: memoryview) -> int:
@@ -190,23 +188,35 @@ class SendArena:
         """Removes the file's name; the mappings stay valid until both sides drop them."""
         unlink_quietly(self._path)
 
-    def _back_lane(self, start: int, end: int) -> bool:
+
+class _Room:
+    """Takes the memory of parts of an arena's file (``posix_fallocate`` on its descriptor, kept open
+    after the name is gone), and says once when there is none. Apart from the arena, so that its
+    lane can hold it without a reference cycle."""
+
+    def __init__(self, fd: int, path: str):
+        self._fd = fd
+        self._path = path
+        self._short = False
+        weakref.finalize(self, os.close, fd)
+
+    def take_lane(self, start: int, end: int) -> bool:
         """Takes the memory of the lane's bytes ``[start, end)`` (:class:`.lanes.SendLane`)."""
         first = start - start % mmap.PAGESIZE
-        return self._back(_HEADER_BYTES + first, end - first)
+        return self.take(_HEADER_BYTES + first, end - first)
 
-    def _back(self, offset: int, nbytes: int) -> bool:
+    def take(self, offset: int, nbytes: int) -> bool:
+        """Takes the memory of the file's bytes ``[offset, offset + nbytes)``; False if there is no room."""
         try:
             os.posix_fallocate(self._fd, offset, nbytes)
         except OSError as e:
-            if self._short_of_room:
-                return False
-            self._short_of_room = True
-            logger.warning(
-                "no room for %d more bytes of shared memory in %s (%s): payloads to this peer take the "
-                "stream instead (a larger EDL_SHM_DIR or /dev/shm makes them faster)",
-                nbytes, os.path.dirname(self._path), e.strerror,
-            )  # fmt: skip
+            if not self._short:
+                self._short = True
+                logger.warning(
+                    "no room for %d more bytes of shared memory in %s (%s): payloads to this peer take the "
+                    "stream instead (a larger EDL_SHM_DIR or /dev/shm makes them faster)",
+                    nbytes, os.path.dirname(self._path), e.strerror,
+                )  # fmt: skip
             return False
         return True
 
