@@ -45,3 +45,31 @@ def test_the_index_dataset_and_what_is_made_from_it_run_without_tf_data_autotuni
     dataset = records.dataset()
     assert dataset.options().autotune.enabled is False
     assert dataset.map(lambda i: i * 2).batch(2).options().autotune.enabled is False
+
+
+def test_one_index_dataset_serves_every_iteration_from_the_position_at_its_start():
+    # Made once: a training function called again after a re-formation does not build it again.
+    records = ElasticRecords(num_records=20, batch_size=5, shard_size=4, seed=2)
+    dataset = records.dataset()
+    assert records.dataset() is dataset
+    everything = np.concatenate([b.numpy() for b in dataset])
+    records.advance()
+    assert np.concatenate([b.numpy() for b in dataset]).tolist() == everything[5:].tolist()
+    for _ in range(3):
+        records.advance()
+    next_epoch = np.concatenate([b.numpy() for b in dataset])  # the next epoch's order
+    assert sorted(next_epoch.tolist()) == list(range(20)) and next_epoch.tolist() != everything.tolist()
+
+
+def test_an_index_dataset_made_while_tracing_belongs_to_that_graph():
+    import tensorflow as tf
+
+    records = ElasticRecords(num_records=20, batch_size=5, seed=2)
+    eager = records.dataset()
+
+    @tf.function
+    def first_batch():
+        return next(iter(records.dataset()))
+
+    assert first_batch().numpy().tolist() == next(iter(eager)).numpy().tolist()
+    assert records.dataset() is eager
