@@ -28,8 +28,9 @@ EDL_SHM_SLOTS              slots per arena, one arena per peer sent to (default 
 EDL_SHM_LANE_BYTES         bytes of each arena's lane, for messages up to 3/4 of it
                            (default 16 MiB; 0: no lanes)
 EDL_HOST_SEGMENT_BYTES     all-reduces up to this size among workers all on one host go
-                           through one shared file they all map (default 256 KiB; 0: never;
-                           workers asking for different sizes get the smallest)
+                           through one shared file they all map (default 256 KiB among 2 or 3
+                           workers, 4 MiB among 4 or more where the directory has room;
+                           0: never; workers asking for different sizes get the smallest)
 EDL_SPIN_US                microseconds a caller polls a lane or data socket before
                            it sleeps (default 200; where the host's workers outnumber
                            its cores 2000, or 0 with EDL_SPIN_YIELD=0; 0: sleep at once)

@@ -13,7 +13,8 @@ in its slot; after a second round of arrivals each copies the others' parts.
 The segment is set up by the first all-reduce or barrier of a membership on one host, whatever its
 size (:meth:`HostAllreduce.agree`, inside that collective, over the point-to-point messages that
 stay the failure and control path): the ranks agree on the smallest slot size any asks for (none if
-one asks for none), rank 0 creates it and sends its name to every rank; each maps it; the ranks
+one asks for none; by default 256 KiB, or 4 MiB among 4 ranks or more where there is room: see
+:func:`slot_sizes`), rank 0 creates it and sends its name to every rank; each maps it; the ranks
 agree (a direct all-reduce of who could) to use it from then on, or never in this membership.
 Which calls go through it follows from its slots' size alone, the same on every rank.
 
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 _OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, name
 # See splits(): (N - 2) arrays of this many bytes in all take longer to read than a second round.
 SPLIT_MIN_BYTES = 256 << 10
+# See slot_sizes(). AUTO is larger than any size a rank may ask for: the smallest asked wins.
+AUTO = 1 << 62
+SMALL_SLOT_BYTES, LARGE_SLOT_BYTES, LARGE_SLOTS_FROM_RANKS = 256 << 10, 4 << 20, 4
 
 
 def possible(all_on_one_host: bool) -> bool:
@@ -59,8 +63,26 @@ def possible(all_on_one_host: bool) -> bool:
 
 
 def wanted_slot_bytes(options: TransportOptions) -> int:
-    """The slot size this rank's options ask for in :meth:`HostAllreduce.agree`; 0: no segment."""
-    return options.host_segment_bytes if options.shared_memory else 0
+    """The slot size this rank's options ask for in :meth:`HostAllreduce.agree`; 0: no segment;
+    :data:`AUTO`: the default (:func:`slot_sizes`)."""
+    if not options.shared_memory:
+        return 0
+    return AUTO if options.host_segment_bytes is None else options.host_segment_bytes
+
+
+def slot_sizes(agreed: int, ranks: int) -> List[int]:
+    """The slot sizes the segment's creator tries, in order, for the smallest size any rank asked
+    for: that size, or by default (:data:`AUTO`) the larger slots where all-reduces of several MiB
+    are faster in a segment than by the ring (it reduces them in parts, :func:`splits`; measured
+    at N = 4 to 16, benchmarks/README.md), then the small ones where the directory has no room for
+    them (a container's /dev/shm is 64 MiB by default).
+
+    >>> slot_sizes(AUTO, 2), slot_sizes(AUTO, 8), slot_sizes(8192, 8)
+    ([262144], [4194304, 262144], [8192])
+    """
+    if agreed != AUTO:
+        return [agreed]
+    return [LARGE_SLOT_BYTES, SMALL_SLOT_BYTES] if ranks >= LARGE_SLOTS_FROM_RANKS else [SMALL_SLOT_BYTES]
 
 
 class HostAllreduce:
@@ -85,8 +107,9 @@ class HostAllreduce:
     def agree(cls, call: CollectiveCall, directory: str, slot_bytes: int) -> Optional["HostAllreduce"]:
         """Sets up a segment among all ranks of ``call``; every rank calls it within the same collective.
         ``slot_bytes``: the slots this rank's options ask for (:func:`wanted_slot_bytes`); the
-        segment's are the smallest any rank asks for, so that options differing between workers
-        still give every rank the same segment and the same choice of path.
+        segment's are the smallest any rank asks for (by default, :func:`slot_sizes`; every rank
+        reads what rank 0 made from the file), so that options differing between workers still
+        give every rank the same segment and the same choice of path.
 
         Returns:
             the segment's all-reduce on every rank, or None on every rank (some rank asked for
@@ -98,16 +121,12 @@ class HostAllreduce:
         p2p = call.p2p
         smallest = np.array([slot_bytes], np.int64)
         direct.allreduce(call, smallest, np.minimum)
-        slot_bytes = int(smallest[0])
-        if slot_bytes <= 0:
+        if smallest[0] <= 0:
             return None
         segment = None
         try:
             if p2p.rank == 0:
-                try:
-                    segment = HostSegment.create(directory, 0, p2p.size, slot_bytes)
-                except (OSError, ValueError) as e:
-                    logger.info("no host segment (%s); small all-reduces go by messages", e)
+                segment = _create(directory, p2p.size, slot_sizes(int(smallest[0]), p2p.size))
                 offer = _encode_offer(segment)
                 for dst in range(1, p2p.size):
                     call.send(offer, dst)
@@ -314,6 +333,17 @@ def _closed(rank: int) -> CommunicatorClosedError:
 def note_fits(note: bytes) -> bool:
     """Whether a collective's descriptor fits a note (a shape of very many dimensions does not)."""
     return len(note) <= NOTE_BYTES
+
+
+def _create(directory: str, ranks: int, sizes: List[int]) -> Optional[HostSegment]:
+    """A new segment with slots of the first of ``sizes`` there is room for; None if none."""
+    for slot_bytes in sizes:
+        try:
+            return HostSegment.create(directory, 0, ranks, slot_bytes)
+        except (OSError, ValueError) as e:
+            logger.info("no host segment with slots of %d bytes (%s)", slot_bytes, e)
+    logger.info("no host segment; small all-reduces go by messages")
+    return None
 
 
 def _encode_offer(segment: Optional[HostSegment]) -> np.ndarray:

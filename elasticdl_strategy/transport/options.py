@@ -155,9 +155,13 @@ class TransportOptions:
         host_segment_bytes: all-reduces up to this size among workers that all
             share one host go through a host segment, one shared-memory file
             they all map (:mod:`elasticdl_strategy.collective.host_allreduce`):
-            one round instead of a message to and from every peer. A multiple
-            of the page size up to 64 MiB; 0: never. The segment takes
-            2 · N · this many bytes.
+            one round (two for larger ones) instead of a message to and from
+            every peer. A multiple of the page size up to 64 MiB; 0: never;
+            None (``EDL_HOST_SEGMENT_BYTES`` unset): 256 KiB among 2 or 3
+            workers, 4 MiB among 4 or more, 256 KiB where the shared-memory
+            directory has no room for that (:func:`~elasticdl_strategy.collective
+            .host_allreduce.slot_sizes`). The segment takes 2 · N · this many
+            bytes.
         spin_us: how long a caller waiting for a message on a lane or data
             socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
@@ -196,7 +200,7 @@ class TransportOptions:
     shm_slot_size: int = 4 * MiB
     shm_slots: int = 8
     shm_lane_bytes: int = 16 * MiB
-    host_segment_bytes: int = 256 << 10
+    host_segment_bytes: Optional[int] = None
     spin_us: float = 200.0
     spin_yield: bool = False
     data_socket: bool = True
@@ -226,7 +230,9 @@ class TransportOptions:
                 f"shm_lane_bytes={self.shm_lane_bytes} must be 0 or a multiple of 64 between "
                 f"{lanes.MIN_BYTES} and {lanes.MAX_BYTES}"
             )
-        if not (0 <= self.host_segment_bytes <= 64 * MiB and self.host_segment_bytes % mmap.PAGESIZE == 0):
+        if self.host_segment_bytes is not None and not (
+            0 <= self.host_segment_bytes <= 64 * MiB and self.host_segment_bytes % mmap.PAGESIZE == 0
+        ):
             raise ConfigError(
                 f"host_segment_bytes={self.host_segment_bytes} must be 0 or a multiple of {mmap.PAGESIZE} "
                 f"up to {64 * MiB} bytes"

@@ -205,7 +205,8 @@ def traffic(cluster, inputs, codec):
 def test_each_rank_sends_and_receives_2_n_minus_1_over_n_of_the_16_bit_bytes(clusters, n):
     cluster = clusters[n]
     for dtype in (np.float32, np.float64):
-        for elements in (n * 300_000, 300_001):  # above 1 MiB: the plain all-reduce takes the ring too
+        # Above 4 MiB (a host segment's largest default slots): the plain all-reduce takes the ring too.
+        for elements in (n * 1_100_000, 1_100_001):
             inputs = make_inputs(n, elements, dtype)
             plain = traffic(cluster, inputs, None)
             for codec in ("fp16", "bf16"):

@@ -231,7 +231,13 @@ def test_a_rank_that_arrives_finishes_and_leaves_before_the_failure_check_is_not
 
 @pytest.mark.parametrize(
     "sizes, slots",
-    [((4096, 8192, 4096), 4096), ((8192, 4096, 8192), 4096), ((4096, 0, 4096), None), ((4096, 4096, None), None)],
+    [
+        ((4096, 8192, 4096), 4096),
+        ((8192, 4096, 8192), 4096),
+        ((4096, 0, 4096), None),
+        ((4096, 4096, None), None),
+        (("default", 8192, "default"), 8192),  # a size asked for wins over the default
+    ],
 )
 def test_ranks_whose_options_differ_agree_on_one_segment_or_none(sizes, slots):
     # host_segment_bytes per rank (None: no shared memory at all). A rank that took 8 KiB through
@@ -241,7 +247,7 @@ def test_ranks_whose_options_differ_agree_on_one_segment_or_none(sizes, slots):
     options = [
         dataclasses.replace(base, shared_memory=False)
         if size is None
-        else dataclasses.replace(base, host_segment_bytes=size)
+        else dataclasses.replace(base, host_segment_bytes=None if size == "default" else size)
         for size in sizes
     ]
     with ThreadCluster(3, options) as cluster:
@@ -335,3 +341,41 @@ def test_a_peer_that_leaves_between_the_two_rounds_of_a_split_fails_the_others_a
     for outcome in outcomes[:2]:
         assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("n, slot", [(3, 256 << 10), (4, 4 << 20)])
+def test_by_default_four_ranks_or_more_take_all_reduces_of_a_few_mib_through_the_segment(n, slot):
+    inputs = _inputs(n, 1 << 18)  # 1 MiB of float32
+    with ThreadCluster(n, transport_options("host-segment")) as cluster:
+        cluster.run(lambda c: c.barrier())  # sets the segment up
+        sent = [c.p2p.messages_sent for c in cluster.communicators]
+        results = cluster.run(lambda c: c.allreduce(inputs[c.rank]))
+        assert {c._host_segment.slot_bytes for c in cluster.communicators} == {slot}
+        by_messages = [c.p2p.messages_sent for c in cluster.communicators] != sent
+    assert by_messages == (n < 4)  # at N = 3 the ring
+    expected = inputs[0] + inputs[1]
+    for x in inputs[2:]:
+        expected += x
+    for r in results:
+        assert r.tobytes() == results[0].tobytes()
+        np.testing.assert_allclose(r, expected, rtol=1e-5, atol=1e-5)
+    if n >= 4:  # rank order 0..N-1, as every rank reduces its part
+        assert results[0].tobytes() == expected.tobytes()
+
+
+def test_without_room_for_large_slots_the_default_segment_has_small_ones(monkeypatch):
+    real = os.posix_fallocate
+
+    def room_for_8_mib_of_segment(fd, offset, length):
+        if "edl-segment-" in os.readlink(f"/proc/self/fd/{fd}") and offset + length > 8 << 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", room_for_8_mib_of_segment)  # 4 ranks x 2 x 4 MiB do not fit
+    with ThreadCluster(4, transport_options("host-segment")) as cluster:
+        results = cluster.run(lambda c: c.allreduce(np.full(1 << 18, c.rank + 1.0, np.float32)))
+        assert {c._host_segment.slot_bytes for c in cluster.communicators} == {256 << 10}
+        sent = [c.p2p.messages_sent for c in cluster.communicators]
+        cluster.run(lambda c: c.allreduce(np.full(1000, c.rank + 1.0, np.float32)))
+        assert [c.p2p.messages_sent for c in cluster.communicators] == sent  # small ones: the segment
+    assert all(r.tolist() == [10.0] * (1 << 18) for r in results)

@@ -16,6 +16,7 @@ from elasticdl_strategy.transport.options import OVERSUBSCRIBED_SPIN_US, MiB, Tr
         ({"keepalive_s": -1}, "keepalive_s=-1"),
         ({"shm_lane_bytes": 1000}, "shm_lane_bytes=1000"),
         ({"spin_us": -1}, "spin_us=-1"),
+        ({"host_segment_bytes": 1000}, "host_segment_bytes=1000"),
     ],
 )
 def test_invalid_options_name_the_bad_value(kwargs, message):
@@ -33,6 +34,12 @@ def test_from_env_parses_and_rejects():
     assert TransportOptions.from_env({"EDL_CHUNK_SIZE": str(MiB), "EDL_TIMEOUT": "5"}).timeout_s == 5.0
     with pytest.raises(ConfigError, match="EDL_TIMEOUT='soon'"):
         TransportOptions.from_env({"EDL_TIMEOUT": "soon"})
+
+
+def test_the_host_segments_size_is_the_default_unless_set():
+    assert TransportOptions.from_env({}).host_segment_bytes is None  # see host_allreduce.slot_sizes
+    assert TransportOptions.from_env({"EDL_HOST_SEGMENT_BYTES": "0"}).host_segment_bytes == 0
+    assert TransportOptions.from_env({"EDL_HOST_SEGMENT_BYTES": "8192"}).host_segment_bytes == 8192
 
 
 def test_callers_spin_yielding_their_core_only_where_the_hosts_workers_outnumber_its_cores():
