@@ -29,7 +29,8 @@ EDL_SHM_LANE_BYTES         bytes of each arena's lane, for messages up to 3/4 of
                            (default 16 MiB; 0: no lanes)
 EDL_HOST_SEGMENT_BYTES     all-reduces up to this size among workers all on one host go
                            through one shared file they all map (default 256 KiB among 2 or 3
-                           workers, 4 MiB among 4 or more where the directory has room;
+                           workers, 4 MiB among 4 to 16, less beyond (the file within 128 MiB),
+                           256 KiB where the directory has no room for that;
                            0: never; workers asking for different sizes get the smallest)
 EDL_SPIN_US                microseconds a caller polls a lane or data socket before
                            it sleeps (default 200; where the host's workers outnumber

@@ -1,4 +1,4 @@
-"""Small all-reduces among the ranks of one host, through a host segment: one round (two for larger ones), no messages.
+"""All-reduces among the ranks of one host through a host segment: one or two rounds, no messages.
 
 The direct exchange (:mod:`.direct`) sends each rank's array to every peer: 2(N-1) lane messages
 per rank, each a header, a copy and a wake. Through a host segment
@@ -31,6 +31,7 @@ Whoever learns of news in this process wakes the waiter (:meth:`HostAllreduce.wa
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import time
@@ -54,6 +55,7 @@ SPLIT_MIN_BYTES = 256 << 10
 # See slot_sizes(). AUTO is larger than any size a rank may ask for: the smallest asked wins.
 AUTO = 1 << 62
 SMALL_SLOT_BYTES, LARGE_SLOT_BYTES, LARGE_SLOTS_FROM_RANKS = 256 << 10, 4 << 20, 4
+LARGE_SEGMENT_BYTES = 128 << 20  # the most that large slots take: 2 * N of them
 
 
 def possible(all_on_one_host: bool) -> bool:
@@ -75,14 +77,20 @@ def slot_sizes(agreed: int, ranks: int) -> List[int]:
     for: that size, or by default (:data:`AUTO`) the larger slots where all-reduces of several MiB
     are faster in a segment than by the ring (it reduces them in parts, :func:`splits`; measured
     at N = 4 to 16, benchmarks/README.md), then the small ones where the directory has no room for
-    them (a container's /dev/shm is 64 MiB by default).
+    them (a container's /dev/shm is 64 MiB by default). The larger slots shrink beyond 16 ranks, so
+    that the segment stays within :data:`LARGE_SEGMENT_BYTES`.
 
-    >>> slot_sizes(AUTO, 2), slot_sizes(AUTO, 8), slot_sizes(8192, 8)
-    ([262144], [4194304, 262144], [8192])
+    >>> slot_sizes(AUTO, 2), slot_sizes(AUTO, 8), slot_sizes(AUTO, 64), slot_sizes(AUTO, 256)
+    ([262144], [4194304, 262144], [1048576, 262144], [262144])
+    >>> slot_sizes(8192, 8)
+    [8192]
     """
     if agreed != AUTO:
         return [agreed]
-    return [LARGE_SLOT_BYTES, SMALL_SLOT_BYTES] if ranks >= LARGE_SLOTS_FROM_RANKS else [SMALL_SLOT_BYTES]
+    large = min(LARGE_SLOT_BYTES, LARGE_SEGMENT_BYTES // (2 * ranks)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if ranks < LARGE_SLOTS_FROM_RANKS or large <= SMALL_SLOT_BYTES:
+        return [SMALL_SLOT_BYTES]
+    return [large, SMALL_SLOT_BYTES]
 
 
 class HostAllreduce:

@@ -158,8 +158,9 @@ class TransportOptions:
             one round (two for larger ones) instead of a message to and from
             every peer. A multiple of the page size up to 64 MiB; 0: never;
             None (``EDL_HOST_SEGMENT_BYTES`` unset): 256 KiB among 2 or 3
-            workers, 4 MiB among 4 or more, 256 KiB where the shared-memory
-            directory has no room for that (:func:`~elasticdl_strategy.collective
+            workers, 4 MiB among 4 or more (less beyond 16: the segment stays
+            within 128 MiB), 256 KiB where the shared-memory directory has no
+            room for that (:func:`~elasticdl_strategy.collective
             .host_allreduce.slot_sizes`). The segment takes 2 · N · this many
             bytes.
         spin_us: how long a caller waiting for a message on a lane or data
