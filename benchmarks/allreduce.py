@@ -12,8 +12,9 @@ Frameworks:
     shm     ``runtime.allreduce(x, out=x)`` in workers started by ``python -m elasticdl_strategy run``
             with the defaults: all-reduces up to 256 KiB (4 MiB from N = 4) go through the host
             segment (every worker of the host maps it), payloads between same-host peers through the
-            shared-memory arena, frames over the data socket. Checked: from the first size >= 256 KiB on, rank 0's
-            ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory not used" otherwise)
+            shared-memory arena, frames over the data socket. Checked: from the first size >= 256 KiB
+            on, rank 0's ``communicator().p2p.shared_memory_peers`` must be non-empty ("shared memory
+            not used" otherwise)
     lanes   the same with ``EDL_HOST_SEGMENT_BYTES=0``: small all-reduces as messages in the arenas' lanes
     socket  the same with ``EDL_SHARED_MEMORY=0``: payloads on the direct data socket, the path
             between hosts (``data_socket_peers`` must be non-empty, ``shared_memory_peers`` empty)

@@ -160,9 +160,8 @@ class TransportOptions:
             None (``EDL_HOST_SEGMENT_BYTES`` unset): 256 KiB among 2 or 3
             workers, 4 MiB among 4 or more (less beyond 16: the segment stays
             within 128 MiB), 256 KiB where the shared-memory directory has no
-            room for that (:func:`~elasticdl_strategy.collective
-            .host_allreduce.slot_sizes`). The segment takes 2 · N · this many
-            bytes.
+            room for that (the rule: ``host_allreduce.slot_sizes``). The
+            segment takes 2 · N · this many bytes.
         spin_us: how long a caller waiting for a message on a lane or data
             socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
