@@ -35,7 +35,7 @@ import mmap
 import os
 import struct
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 _OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, name
 # See splits(): (N - 2) arrays of this many bytes in all take longer to read than a second round.
 SPLIT_MIN_BYTES = 256 << 10
+# A spinning wait looks this often for the arrivals between two checks for news (aborts, failed peers):
+# ~10 us at N = 4 on one core.
+LOOKS_BETWEEN_CHECKS = 32
 # See slot_sizes(). AUTO is larger than any size a rank may ask for: the smallest asked wins.
 AUTO = 1 << 62
 SMALL_SLOT_BYTES, LARGE_SLOT_BYTES, LARGE_SLOTS_FROM_RANKS = 256 << 10, 4 << 20, 4
@@ -104,7 +107,7 @@ class HostAllreduce:
         self._segment = segment
         self._calls = 0  # all-reduces through the segment: their parity chooses the slots
         self._count = 0  # arrivals published (two for an all-reduce that splits)
-        self._views: Dict[tuple, np.ndarray] = {}
+        self._slots: Dict[tuple, Tuple[np.ndarray, ...]] = {}
         self._closed = False
 
     @property
@@ -183,19 +186,20 @@ class HostAllreduce:
             raise _closed(call.p2p.rank)
         segment = self._segment
         self._calls += 1
-        parity = self._calls % 2
-        np.copyto(self._view(segment.rank, parity, flat), flat)
+        slots = self._slots_of(self._calls % 2, flat)
+        np.copyto(slots[segment.rank], flat)
         count = self._publish(note)
-        elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
-        if elsewhere:
-            return elsewhere
-        differing = [r for r in range(segment.ranks) if not segment.noted(r, count, note)]
+        if not segment.all_arrived(count):
+            elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
+            if elsewhere:
+                return elsewhere
+        differing = segment.not_noted(count, note)
         if differing:
             return {r: segment.note(r, count) for r in differing}
         if splits(flat.nbytes, segment.ranks):
-            self._reduce_split(call, flat, ufunc, parity, note, healthy)
+            self._reduce_split(call, flat, ufunc, slots, note, healthy)
         else:
-            self._reduce(flat, ufunc, parity, slice(None))
+            self._reduce(flat, ufunc, slots, slice(None))
         return {}
 
     def _publish(self, note: bytes) -> int:
@@ -204,15 +208,22 @@ class HostAllreduce:
         self._segment.publish(self._count, note)
         return self._count
 
-    def _reduce(self, flat: np.ndarray, ufunc: Callable, parity: int, part: slice) -> None:
+    @staticmethod
+    def _reduce(flat: np.ndarray, ufunc: Callable, slots: Tuple[np.ndarray, ...], part: slice) -> None:
         """``flat[part]`` = the ``part`` of every rank's slot reduced in rank order 0..N-1."""
         out = flat[part]
-        ufunc(self._view(0, parity, flat)[part], self._view(1, parity, flat)[part], out=out)
-        for r in range(2, self._segment.ranks):
-            ufunc(out, self._view(r, parity, flat)[part], out=out)
+        ufunc(slots[0][part], slots[1][part], out=out)
+        for slot in slots[2:]:
+            ufunc(out, slot[part], out=out)
 
     def _reduce_split(
-        self, call: CollectiveCall, flat: np.ndarray, ufunc: Callable, parity: int, note: bytes, healthy: Callable
+        self,
+        call: CollectiveCall,
+        flat: np.ndarray,
+        ufunc: Callable,
+        slots: Tuple[np.ndarray, ...],
+        note: bytes,
+        healthy: Callable,
     ) -> None:
         """Each rank reduces its own part of the slots (:func:`parts`) and puts it back in its own
         slot, where no other rank reads (each reads its own part of every slot); once every rank
@@ -221,14 +232,14 @@ class HostAllreduce:
         rank, ranks = self._segment.rank, self._segment.ranks
         bounds = parts(flat.size, ranks)
         mine = slice(bounds[rank], bounds[rank + 1])
-        self._reduce(flat, ufunc, parity, mine)
-        self._view(rank, parity, flat)[mine] = flat[mine]
+        self._reduce(flat, ufunc, slots, mine)
+        slots[rank][mine] = flat[mine]
         count = self._publish(note)
         self._wait(call, count, healthy, lambda theirs: False)  # all agreed on this call already
         for r in range(ranks):
             if r != rank:
                 theirs = slice(bounds[r], bounds[r + 1])
-                flat[theirs] = self._view(r, parity, flat)[theirs]
+                flat[theirs] = slots[r][theirs]
 
     def announce(self, note: bytes) -> None:
         """Tells the ranks of the segment what this rank does now (every collective's descriptor).
@@ -247,17 +258,18 @@ class HostAllreduce:
         self._closed = True
         self._segment.wake()
 
-    def _view(self, rank: int, parity: int, like: np.ndarray) -> np.ndarray:
-        """``rank``'s slot of ``parity`` as an array of ``like``'s dtype and size (cached: a few calls'
-        sizes repeat for the whole training)."""
-        key = (rank, parity, like.dtype, like.size)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) > 4096:
-                self._views.clear()
-            view = np.frombuffer(self._segment.slot(rank, parity, like.nbytes), like.dtype)
-            self._views[key] = view
-        return view
+    def _slots_of(self, parity: int, like: np.ndarray) -> Tuple[np.ndarray, ...]:
+        """Every rank's slot of ``parity``, by rank, as arrays of ``like``'s dtype and size (cached:
+        a few calls' sizes repeat for the whole training)."""
+        key = (parity, like.dtype, like.size)
+        slots = self._slots.get(key)
+        if slots is None:
+            if len(self._slots) > 4096:
+                self._slots.clear()
+            segment = self._segment
+            slots = tuple(np.frombuffer(segment.slot(r, parity, like.nbytes), like.dtype) for r in range(segment.ranks))
+            self._slots[key] = slots
+        return slots
 
     def _wait(
         self, call: CollectiveCall, count: int, healthy: Callable[[], None], elsewhere: Callable[[bytes], bool]
@@ -292,10 +304,20 @@ class HostAllreduce:
                 call.warn_if_slow(now, missing)
                 sweep_at = now + SWEEP_S
             if now < spin_until:
-                if p2p.options.spin_yield:
-                    os.sched_yield()
+                self._look(count, p2p.options.spin_yield)
                 continue
             segment.sleep(seen, count, min(call.deadline, sweep_at) - now)
+
+    def _look(self, count: int, yielding: bool) -> None:
+        """Looks for every rank's arrival ``count`` up to :data:`LOOKS_BETWEEN_CHECKS` times (offering
+        the core between looks if ``yielding``): the checks of :meth:`_wait` cost more than a look,
+        and the last rank's arrival is seen this much sooner."""
+        all_arrived = self._segment.all_arrived
+        for _ in range(LOOKS_BETWEEN_CHECKS):
+            if all_arrived(count):
+                return
+            if yielding:
+                os.sched_yield()
 
     # A rank that arrives after ``missing`` was read may finish the call at once and go on: announce
     # its next collective, or close and leave. So each check below reads the news first and the

@@ -101,6 +101,10 @@ class HostSegment:
         self._doorbells = [word(mapping, b + _DOORBELL, "I") for b in blocks]
         self._doorbell_addresses = [np.frombuffer(mapping, np.uint32, 1, b + _DOORBELL).ctypes.data for b in blocks]
         self._notes = [[b + _NOTES + p * _NOTE_STRIDE for p in (0, 1)] for b in blocks]
+        # Per parity, each rank's note's length word and where its bytes start (not_noted).
+        self._note_fields = [
+            [(word(mapping, n[p] + 4, "I"), n[p] + _NOTE_PREFIX.size) for n in self._notes] for p in (0, 1)
+        ]
         self._current = [b + _CURRENT for b in blocks]
         self._bytes = memoryview(mapping)
         self._others = [r for r in range(ranks) if r != rank]
@@ -193,12 +197,14 @@ class HostSegment:
         """The note ``rank`` published with its arrival ``count``."""
         return self._read_note(self._notes[rank][count % 2])[1]
 
-    def noted(self, rank: int, count: int, note: bytes) -> bool:
-        """Whether ``rank`` published ``note`` with its arrival ``count`` (compared in place)."""
-        start = self._notes[rank][count % 2]
-        length = _NOTE_PREFIX.unpack_from(self._map, start)[1]
-        first = start + _NOTE_PREFIX.size
-        return length == len(note) and self._bytes[first : first + length] == note
+    def not_noted(self, count: int, note: bytes) -> List[int]:
+        """The ranks that did not publish ``note`` with their arrival ``count`` (compared in place)."""
+        parity, length, stored = count % 2, len(note), self._bytes
+        differing = []
+        for rank, (lengths, first) in enumerate(self._note_fields[parity]):
+            if lengths[0] != length or stored[first : first + length] != note:
+                differing.append(rank)
+        return differing
 
     def announce(self, note: bytes) -> None:
         """Sets this rank's current note: what it does now."""
@@ -237,6 +243,14 @@ class HostSegment:
         """The ranks whose arrival count is still below ``count``."""
         return [r for r, a in enumerate(self._arrivals) if a[0] < count]
 
+    def all_arrived(self, count: int) -> bool:
+        """Whether every rank's arrival count has reached ``count`` (:meth:`missing` is empty),
+        without building a list: a waiting rank asks it again and again."""
+        for arrivals in self._arrivals:
+            if arrivals[0] < count:
+                return False
+        return True
+
     @property
     def doorbell(self) -> int:
         """This rank's doorbell: read it before looking for what is awaited, then :meth:`sleep`."""
@@ -263,6 +277,7 @@ class HostSegment:
     def close(self) -> None:
         """Unmaps the segment (views still held keep it mapped until they go)."""
         self._arrivals = self._sleeping = self._doorbells = []
+        self._note_fields = [[], []]
         try:
             self._bytes.release()
             self._map.close()

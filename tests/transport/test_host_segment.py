@@ -29,14 +29,19 @@ def pair(tmp_path):
 
 def test_a_published_slot_and_note_are_seen_by_every_mapping(pair):
     first, second = pair
-    assert first.missing(1) == [0, 1, 2]
+    assert first.missing(1) == [0, 1, 2] and not first.all_arrived(1)
     second.slot(1, 1, 5)[:] = b"hello"
     second.publish(1, b"allreduce #0")
-    assert first.missing(1) == [0, 2] and first.arrivals(1) == 1
+    assert first.missing(1) == [0, 2] and first.arrivals(1) == 1 and not first.all_arrived(1)
     assert bytes(first.slot(1, 1, 5)) == b"hello"
     assert first.note(1, 1) == b"allreduce #0"
-    assert first.noted(1, 1, b"allreduce #0") and not first.noted(1, 1, b"allreduce #1")
-    assert not first.noted(1, 1, b"allreduce #00")  # a longer note is another note
+    assert first.not_noted(1, b"allreduce #0") == [0, 2]  # ranks 0 and 2 published nothing yet
+    assert first.not_noted(1, b"allreduce #1") == [0, 1, 2]
+    assert first.not_noted(1, b"allreduce #00") == [0, 1, 2]  # a longer note is another note
+    assert first.not_noted(1, b"allreduce #") == [0, 1, 2]  # and a shorter one
+    first.publish(1, b"allreduce #0")
+    assert second.not_noted(1, b"allreduce #0") == [2] and second.missing(1) == [2]
+    assert not second.all_arrived(1) and second.all_arrived(0)
 
 
 def test_the_two_parities_keep_a_slow_readers_slot(pair):
