@@ -32,6 +32,9 @@ from elasticdl_strategy.errors import CollectiveMismatchError
 
 # Receivers that rank 0 sends the variables to one by one; beyond this a broadcast moves them.
 SEND_TO_AT_MOST = 2
+# Variables of one dtype travel fused in messages of up to this many bytes, one larger alone and
+# without a copy: rank 0 never holds a second copy of the whole state, and starts sending at once.
+GROUP_BYTES = 4 << 20
 NO_COMMIT = -1  # held by a member whose variables hold no kept snapshot
 
 
@@ -79,8 +82,8 @@ def send(communicator: Communicator, values: Sequence[np.ndarray], transfer: Tra
         return None
     receiving = communicator.rank in transfer.receivers
     received: List[np.ndarray] = [np.empty(0)] * len(values)
-    for dtype, members in _by_dtype(values).items():
-        fused = _fused(communicator, [values[i] for i in members], dtype, transfer)  # on every rank
+    for members in groups(values):
+        fused = _fused(communicator, [values[i] for i in members], transfer)  # on every rank
         if receiving:
             offsets = np.cumsum([0] + [values[i].size for i in members])
             for i, start, end in zip(members, offsets[:-1], offsets[1:]):
@@ -88,19 +91,45 @@ def send(communicator: Communicator, values: Sequence[np.ndarray], transfer: Tra
     return received if receiving else None
 
 
-def _by_dtype(values: Sequence[np.ndarray]) -> Dict[np.dtype, List[int]]:
-    groups: Dict[np.dtype, List[int]] = {}
+def groups(values: Sequence[np.ndarray], group_bytes: Optional[int] = None) -> List[List[int]]:
+    """The indices of ``values`` by message, in the order they travel: those of one dtype in order,
+    fused up to ``group_bytes`` (default :data:`GROUP_BYTES`), one of ``group_bytes`` or more alone.
+    From shapes and dtypes only, so the same on every rank.
+
+    >>> f32, i64 = np.zeros(3, np.float32), np.zeros(1, np.int64)
+    >>> groups([f32, i64, f32, np.zeros(8, np.float32), f32], group_bytes=32)
+    [[3], [0, 2], [4], [1]]
+    """
+    group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
+    by_dtype: Dict[np.dtype, List[int]] = {}
     for i, value in enumerate(values):
-        groups.setdefault(value.dtype, []).append(i)
-    return groups
+        by_dtype.setdefault(value.dtype, []).append(i)
+    messages: List[List[int]] = []
+    for members in by_dtype.values():
+        fused: List[int] = []
+        fused_bytes = 0
+        for i in members:
+            nbytes = values[i].nbytes
+            if nbytes >= group_bytes:
+                messages.append([i])
+                continue
+            if fused and fused_bytes + nbytes > group_bytes:
+                messages.append(fused)
+                fused, fused_bytes = [], 0
+            fused.append(i)
+            fused_bytes += nbytes
+        if fused:
+            messages.append(fused)
+    return messages
 
 
-def _fused(communicator: Communicator, values: List[np.ndarray], dtype: np.dtype, transfer: Transfer) -> np.ndarray:
-    """Rank 0's ``values`` of one dtype, concatenated, on the receivers (an empty array elsewhere)."""
-    rank = communicator.rank
+def _fused(communicator: Communicator, values: List[np.ndarray], transfer: Transfer) -> np.ndarray:
+    """Rank 0's ``values`` (of one dtype), as one flat array, on the receivers (an empty array
+    elsewhere); a single value goes without a copy."""
+    rank, dtype = communicator.rank, values[0].dtype
     total = sum(v.size for v in values)
     if transfer.broadcast:
-        fused = np.concatenate([v.reshape(-1) for v in values]) if rank == 0 else np.empty(total, dtype)
+        fused = _flat(values) if rank == 0 else np.empty(total, dtype)
         return communicator.broadcast(fused, root=0, out=fused)
     if rank != 0:
         fused = communicator.scatter(None, root=0)
@@ -113,6 +142,13 @@ def _fused(communicator: Communicator, values: List[np.ndarray], dtype: np.dtype
                 rank=rank,
             )
         return fused
-    fused = np.concatenate([v.reshape(-1) for v in values])
+    fused = _flat(values)
     nothing = np.empty(0, dtype)
     return communicator.scatter([fused if r in transfer.receivers else nothing for r in range(communicator.size)])
+
+
+def _flat(values: List[np.ndarray]) -> np.ndarray:
+    """``values`` as one flat array: a view of a single contiguous one, else a concatenation."""
+    if len(values) == 1:
+        return np.ascontiguousarray(values[0]).reshape(-1)
+    return np.concatenate([v.reshape(-1) for v in values])

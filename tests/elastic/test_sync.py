@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from elasticdl_strategy import elastic, runtime
+from elasticdl_strategy.elastic import variable_sync
 from tests.cluster import ThreadCluster
 
 SIZE = 4096  # elements of the variable: its transfer is told apart from the small ones by size
@@ -140,3 +141,26 @@ def test_a_newcomer_without_the_commit_alone_receives_every_variable(cluster):
 
     cluster.on_rank(train_then_roll_back)
     assert all((variable(s) == 1.0).all() for s in states)
+
+
+@pytest.mark.parametrize("send_to_at_most", [2, 1], ids=["scatter", "broadcast"])
+def test_variables_travel_in_groups_of_one_dtype_and_a_large_one_alone(cluster, monkeypatch, send_to_at_most):
+    """Rank 0 sends a variable of GROUP_BYTES or more as it is (no second copy of the whole state),
+    smaller ones of one dtype fused up to GROUP_BYTES; every receiver ends with rank 0's values,
+    sent to each (scatter) or to all at once (broadcast)."""
+    monkeypatch.setattr(variable_sync, "GROUP_BYTES", 2 * SIZE * 4)
+    monkeypatch.setattr(variable_sync, "SEND_TO_AT_MOST", send_to_at_most)
+    shapes = [(4, SIZE), (SIZE,), (SIZE,), (SIZE,)]
+
+    def make(rank):
+        rng = np.random.default_rng(rank)
+        floats = [tf.Variable(rng.standard_normal(shape).astype(np.float32)) for shape in shapes]
+        return elastic.State(variables=[*floats, tf.Variable(rng.integers(0, 9, 3))])
+
+    states = [make(rank) for rank in range(3)]
+    expected = [v.numpy() for v in states[0].variables()]
+    cluster.on_rank(lambda rank: states[rank].sync())  # nobody holds a commit: all from rank 0
+    for rank in (1, 2):
+        assert cluster.got[rank][-6:-2] == [4 * SIZE, 2 * SIZE, SIZE, 3]  # then the values: length, pickle
+        for got, want in zip(states[rank].variables(), expected, strict=True):
+            np.testing.assert_array_equal(got.numpy(), want)
