@@ -53,7 +53,7 @@ _OFFER = struct.Struct(f"<B{NONCE_BYTES}s64s")  # name length (0: none), nonce, 
 # See splits(): (N - 2) arrays of this many bytes in all take longer to read than a second round.
 SPLIT_MIN_BYTES = 256 << 10
 # A spinning wait looks this often for the arrivals between two checks for news (aborts, failed peers):
-# ~10 us at N = 4 on one core.
+# a look takes a fraction of a microsecond, the checks several.
 LOOKS_BETWEEN_CHECKS = 32
 # See slot_sizes(). AUTO is larger than any size a rank may ask for: the smallest asked wins.
 AUTO = 1 << 62
