@@ -38,6 +38,9 @@ from elasticdl_strategy.transport.protos import coordinator_pb2
 
 logger = logging.getLogger(__name__)
 
+# Snapshots kept: the last commit's and the one before it (a commit whose outcome is unknown needs both).
+KEPT_SNAPSHOTS = 2
+
 
 class State:
     """Variables and Python values that survive membership changes.
@@ -149,11 +152,21 @@ class State:
     # Snapshots --------------------------------------------------------------------------------
 
     def _snapshot(self, arrays: Optional[List[np.ndarray]] = None) -> Snapshot:
-        """The state now; ``arrays``: the variables' values, when held already (else copied)."""
+        """The state now, of commit ``commit_id``; ``arrays``: the variables' values, when held
+        already (else copied, into the arrays of a snapshot that keeping this one drops, where they
+        fit: memory in use takes a copy in about half the time new arrays' pages do)."""
         position = self.records.position if self.records is not None else Position()
         if arrays is None:
-            arrays = [np.array(_value_of(v), copy=True) for v in self.variables()]
+            arrays = _copied([_value_of(v) for v in self.variables()], self._dropped_by_keeping(self.commit_id))
         return Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
+
+    def _dropped_by_keeping(self, commit_id: int) -> List[Snapshot]:
+        """The kept snapshots that keeping one of ``commit_id`` drops (:meth:`_keep`): one of that
+        id, which it replaces, and those no longer among the newest :data:`KEPT_SNAPSHOTS`."""
+        replaced = [self._snapshots[commit_id]] if commit_id in self._snapshots else []
+        others = sorted(i for i in self._snapshots if i != commit_id)
+        kept = sorted([*others, commit_id])[-KEPT_SNAPSHOTS:]
+        return replaced + [self._snapshots[i] for i in others if i not in kept]
 
     def _apply(self, snapshot: Snapshot) -> None:
         for variable, array in zip(self.variables(), snapshot.arrays, strict=True):
@@ -164,9 +177,9 @@ class State:
         self.commit_id = snapshot.commit_id
 
     def _keep(self, snapshot: Snapshot) -> None:
-        """Keeps ``snapshot`` and the one before it (a commit whose outcome is unknown needs both)."""
+        """Keeps ``snapshot`` and the one before it (:data:`KEPT_SNAPSHOTS`)."""
         self._snapshots[snapshot.commit_id] = snapshot
-        for old in sorted(self._snapshots)[:-2]:
+        for old in sorted(self._snapshots)[:-KEPT_SNAPSHOTS]:
             del self._snapshots[old]
 
     # commit / restore / sync ------------------------------------------------------------------
@@ -376,6 +389,22 @@ class KerasState(State):
         from elasticdl_strategy.elastic.callbacks import CommitStateCallback
 
         return [CommitStateCallback(self, batches_per_commit)]
+
+
+def _copied(values: List[np.ndarray], dropped: Sequence[Snapshot]) -> List[np.ndarray]:
+    """Copies of ``values``: into the arrays of the first ``dropped`` snapshot whose arrays fit
+    them (shapes, dtypes, writable), else new ones."""
+    for snapshot in dropped:
+        arrays = snapshot.arrays
+        if len(arrays) == len(values) and all(_fits(a, v) for a, v in zip(arrays, values)):
+            for array, value in zip(arrays, values):
+                np.copyto(array, value)
+            return arrays
+    return [np.array(v, copy=True) for v in values]
+
+
+def _fits(array: np.ndarray, value: np.ndarray) -> bool:
+    return array.shape == value.shape and array.dtype == value.dtype and array.flags.writeable
 
 
 def _value_of(variable) -> np.ndarray:

@@ -32,6 +32,41 @@ def test_restore_rolls_variables_values_and_position_back_to_a_commit():
     assert records.position == Position(epoch=0, batch=1, cursor=2)
 
 
+def test_a_commit_copies_into_the_memory_of_the_snapshot_it_drops_and_every_kept_one_restores():
+    w = tf.Variable(np.zeros(1000, np.float32))
+    state = elastic.State(variables=[w])
+    arrays = {}
+    for value in (1.0, 2.0, 3.0, 4.0):
+        w.assign(np.full(1000, value, np.float32))
+        state.commit()
+        arrays[state.commit_id] = state._snapshots[state.commit_id].arrays[0]
+    assert sorted(state._snapshots) == [3, 4]
+    assert arrays[3] is arrays[1] and arrays[4] is arrays[2]  # no new memory after the first two
+    for commit_id, value in ((3, 3.0), (4, 4.0), (3, 3.0)):
+        w.assign(np.full(1000, -1.0, np.float32))
+        state.restore(commit_id)
+        assert (w.numpy() == value).all()
+    state.commit_id = 3  # rolled back to #3: the next commit, #4 again, takes the memory of the one it replaces
+    state.commit()
+    assert state._snapshots[4].arrays[0] is arrays[4] and sorted(state._snapshots) == [3, 4]
+    state.restore(3)
+    assert (w.numpy() == 3.0).all()
+
+
+def test_a_read_only_snapshot_array_is_not_written_a_new_one_is_made():
+    w = tf.Variable(np.zeros(8, np.float32))
+    state = elastic.State(variables=[w])
+    state.commit()
+    state.commit()
+    read_only = state._snapshots[1].arrays[0]
+    read_only.flags.writeable = False  # as a view of received bytes can be
+    w.assign(np.ones(8, np.float32))
+    state.commit()  # drops #1, whose array it cannot write
+    assert state._snapshots[3].arrays[0] is not read_only and (state._snapshots[3].arrays[0] == 1.0).all()
+    state.restore(2)
+    assert (w.numpy() == 0.0).all()
+
+
 def test_a_sync_on_a_single_worker_keeps_its_state_as_the_commit_to_roll_back_to():
     w = tf.Variable([1.0, 2.0])
     state = elastic.State(variables=[w], epoch=3)
