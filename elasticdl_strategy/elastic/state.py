@@ -88,6 +88,11 @@ class State:
         self.records = records
         self.commit_id = 0
         self._snapshots: Dict[int, Snapshot] = {}
+        # (commit id, views of the variables' buffers) taken while the variables held that commit's
+        # snapshot: after a restore, or at a commit the membership changes at; until the next sync
+        # or commit. TensorFlow copies a variable that it writes while its buffer is shared, so a
+        # variable still in its pinned buffer still holds the snapshot: the sync need not compare it.
+        self._pinned: Optional[Tuple[int, List[np.ndarray]]] = None
         self._reset_callbacks: List[Callable[[], None]] = []
         self._checkpoints = CheckpointStore(checkpoint_dir) if checkpoint_dir else None
         self._checkpoint_every = checkpoint_every
@@ -175,6 +180,22 @@ class State:
         if self.records is not None:
             self.records.position = snapshot.position
         self.commit_id = snapshot.commit_id
+        self._pin()
+
+    def _pin(self) -> None:
+        """Pins the variables' buffers (``_pinned``): they hold the snapshot of ``commit_id`` now."""
+        self._pinned = (self.commit_id, [_value_of(v) for v in self.variables()])
+
+    def _holds(self, snapshot: Snapshot, values: List[np.ndarray]) -> bool:
+        """Whether the variables (``values``: their values now) hold ``snapshot`` bit for bit: those
+        still in the buffer pinned with it need no comparison."""
+        views: List[Optional[np.ndarray]] = [None] * len(values)
+        if self._pinned is not None and self._pinned[0] == snapshot.commit_id and len(self._pinned[1]) == len(values):
+            views = list(self._pinned[1])
+        return all(
+            _same_buffer(value, was) or _same_bits(value, array)
+            for value, was, array in zip(values, views, snapshot.arrays, strict=True)
+        )
 
     def _keep(self, snapshot: Snapshot) -> None:
         """Keeps ``snapshot`` and the one before it (:data:`KEPT_SNAPSHOTS`)."""
@@ -194,6 +215,7 @@ class State:
                 or leave here; ``elastic.run`` re-forms without rolling back.
         """
         worker = runtime.current_worker()
+        self._pinned = None
         self.commit_id += 1
         snapshot = self._snapshot()
         self._keep(snapshot)
@@ -225,6 +247,7 @@ class State:
         if leaving:
             raise WorkerLeft(f"left the job gracefully at commit #{self.commit_id}")
         if response.membership_version != version:
+            self._pin()  # the variables hold this commit until the sync after the re-formation
             raise MembershipChangedInterrupt(
                 f"membership changes at commit #{self.commit_id}: {response.reason}",
                 membership_version=response.membership_version,
@@ -294,6 +317,7 @@ class State:
             if self.records is not None:
                 self.records.position = position
             self.commit_id = commit_id
+        self._pinned = None
         self._snapshots.clear()
         # The variables hold the kept or received arrays' values: they are the snapshot, without a copy.
         self._keep(self._snapshot(kept.arrays if kept is not None else received))
@@ -305,7 +329,7 @@ class State:
         (``None`` if it received none)."""
         values = [_value_of(v) for v in variables]
         kept = self._snapshots.get(self.commit_id)
-        if kept is not None and not all(_same_bits(v, a) for v, a in zip(values, kept.arrays, strict=True)):
+        if kept is not None and not self._holds(kept, values):
             kept = None
         transfer = variable_sync.plan(
             variable_sync.held_commits(communicator, self.commit_id if kept is not None else variable_sync.NO_COMMIT)
@@ -413,6 +437,16 @@ def _value_of(variable) -> np.ndarray:
     import tensorflow as tf
 
     return np.asarray(tf.convert_to_tensor(variable))
+
+
+def _same_buffer(value: np.ndarray, was: Optional[np.ndarray]) -> bool:
+    """Whether ``value`` views the memory ``was`` viewed (same start, shape and dtype)."""
+    return (
+        was is not None
+        and value.shape == was.shape
+        and value.dtype == was.dtype
+        and value.__array_interface__["data"][0] == was.__array_interface__["data"][0]
+    )
 
 
 def _same_bits(value: np.ndarray, array: np.ndarray) -> bool:
