@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from elasticdl_strategy import runtime
+from elasticdl_strategy.strategy import tf_compat
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ class MembershipFunction:
                 continue
             try:
                 with runtime.tracing_for(*shape):
-                    function.get_concrete_function(*args, **kwargs)
+                    concrete = function.get_concrete_function(*args, **kwargs)
+                tf_compat.instantiate_without_running(concrete, args, kwargs)
             except Exception as e:  # noqa: BLE001 - a guess: the call in that shape traces itself
                 name = getattr(self._fn, "__name__", "a function")
                 logger.debug("tracing %s ahead for %d workers (rank %d) failed: %s", name, *shape, e)

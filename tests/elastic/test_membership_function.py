@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from elasticdl_strategy import elastic, runtime
 from elasticdl_strategy.elastic import membership_function
+from elasticdl_strategy.strategy import tf_compat
 
 
 class Communicator:
@@ -56,8 +57,15 @@ def test_tf_function_arguments_apply_and_the_oldest_shapes_are_dropped(membershi
     assert double.traced[0] == (3, 0) and double.traced[-1] == (membership_function.MAX_MEMBERSHIP_SHAPES + 2, 0)
 
 
-def test_the_shapes_after_a_member_leaves_are_traced_ahead_in_the_background(membership):
-    traces, now = [], [0.0]
+def test_the_shapes_after_a_member_leaves_are_traced_ahead_in_the_background(membership, monkeypatch):
+    traces, now, instantiated = [], [0.0], []
+    real_instantiate = tf_compat.instantiate_without_running
+
+    def instantiate(concrete, args, kwargs):  # the traces made ahead are made ready to run, not run
+        instantiated.append(int(args[0]))
+        real_instantiate(concrete, args, kwargs)
+
+    monkeypatch.setattr(tf_compat, "instantiate_without_running", instantiate)
 
     def global_batch_of(per_worker):
         traces.append((runtime.size(), runtime.rank()))
@@ -73,6 +81,7 @@ def test_the_shapes_after_a_member_leaves_are_traced_ahead_in_the_background(mem
     global_batch(tf.constant(8))
     assert global_batch.wait_for_traces_ahead(timeout=30)
     assert sorted(traces) == [(2, 0), (2, 1), (3, 1)]  # after rank 2 leaves, or rank 0
+    assert instantiated == [8, 8]  # each with the arguments of the call that started the tracing
     assert (runtime.size(), runtime.rank()) == (3, 1)  # only the tracing thread saw the other shapes
     for rank in (0, 1):
         membership.update(size=2, rank=rank)

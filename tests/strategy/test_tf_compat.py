@@ -36,3 +36,30 @@ def test_excluding_a_package_twice_adds_one_rule():
     rules = len(tf_compat.autograph_config.CONVERSION_RULES)
     tf_compat.exclude_from_autograph("elasticdl_strategy")
     assert len(tf_compat.autograph_config.CONVERSION_RULES) == rules
+
+
+def test_a_function_instantiated_without_running_runs_nothing_until_it_is_called():
+    import numpy as np
+    import tensorflow as tf
+
+    counter, python_calls = tf.Variable(0, dtype=tf.int64), []
+
+    def record(x):
+        python_calls.append(x)
+        return x
+
+    @tf.function
+    def step(x):
+        counter.assign_add(1)
+        return tf.numpy_function(record, [x * 2], tf.float32)
+
+    x = tf.constant(3.0)
+    concrete = step.get_concrete_function(x)
+    tf_compat.instantiate_without_running(concrete, (x,), {})
+    tf_compat.instantiate_without_running(concrete, (x,), {})  # again: still nothing runs
+    assert int(counter.numpy()) == 0 and python_calls == []
+    assert float(step(x)) == 6.0  # the call itself runs, once
+    assert int(counter.numpy()) == 1 and python_calls == [np.float32(6.0)]
+    with pytest.raises((TypeError, ValueError)):
+        tf_compat.instantiate_without_running(concrete, (tf.constant([1, 2]),), {})  # inputs that do not fit
+    assert int(counter.numpy()) == 1
