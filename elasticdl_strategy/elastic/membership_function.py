@@ -12,8 +12,9 @@ training function, it traces once per pair and runs that trace whenever the
 job comes back to it (a replacement joining restores the size before a failure;
 a worker leaving, the size after it). After its first call in a shape it also
 traces, in a thread of its own, for the shapes after one member fails or leaves
-(once the shape has run a few seconds), so that the first step of a recovery
-finds its trace ready.
+(once the shape has run a few seconds), and has TensorFlow instantiate those
+traces without running them (:func:`~elasticdl_strategy.strategy.tf_compat.instantiate_without_running`),
+so that the first step of a recovery finds its trace ready and costs what a later one does.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ class MembershipFunction:
     """A ``tf.function`` of ``fn`` per (number of workers, rank), made on first call in each.
 
     Once it has run in a shape for :data:`TRACE_AHEAD_AFTER_S`, it traces, in a thread of its own,
-    for the shapes this worker is in after one member fails or leaves (``trace_ahead``): a
-    recovery then runs a trace ready for it. That thread sees the other shape
-    (:func:`~elasticdl_strategy.runtime.tracing_for`); a trace that fails there is left to the
-    call that needs it. ``clock``: for tests.
+    for the shapes this worker is in after one member fails or leaves (``trace_ahead``), and
+    instantiates those traces without running them: a recovery then runs a trace ready for it.
+    That thread sees the other shape (:func:`~elasticdl_strategy.runtime.tracing_for`); a trace
+    that fails there is left to the call that needs it. ``clock``: for tests.
 
     Attributes:
         traced: the (size, rank) pairs it holds a ``tf.function`` for, least recently used first.
@@ -150,8 +151,9 @@ class MembershipFunction:
 def function(fn: Optional[Callable[..., Any]] = None, trace_ahead: bool = True, **tf_function_kwargs: Any):
     """Like ``tf.function``, but traced once per (number of workers, rank) and kept across
     re-formations: create it once, outside the function :func:`~elasticdl_strategy.elastic.run`
-    calls. ``trace_ahead``: once it has run in a shape for :data:`TRACE_AHEAD_AFTER_S`, trace in
-    the background for the shapes after one member fails or leaves. ``tf_function_kwargs`` go to ``tf.function``
+    calls. ``trace_ahead``: once it has run in a shape for :data:`TRACE_AHEAD_AFTER_S`, trace and
+    instantiate, in the background, for the shapes after one member fails or leaves (the first step
+    of a recovery then costs what a later one does). ``tf_function_kwargs`` go to ``tf.function``
     (``jit_compile``, ``input_signature``, ...).
 
     Returns:
