@@ -165,13 +165,15 @@ class State:
             arrays = _copied([_value_of(v) for v in self.variables()], self._dropped_by_keeping(self.commit_id))
         return Snapshot(arrays, copy.deepcopy(self._values), position, self.commit_id)
 
+    def _kept_after_keeping(self, commit_id: int) -> List[int]:
+        """The commit ids kept once a snapshot of ``commit_id`` is kept: the newest :data:`KEPT_SNAPSHOTS`."""
+        return sorted({*self._snapshots, commit_id})[-KEPT_SNAPSHOTS:]
+
     def _dropped_by_keeping(self, commit_id: int) -> List[Snapshot]:
         """The kept snapshots that keeping one of ``commit_id`` drops (:meth:`_keep`): one of that
-        id, which it replaces, and those no longer among the newest :data:`KEPT_SNAPSHOTS`."""
-        replaced = [self._snapshots[commit_id]] if commit_id in self._snapshots else []
-        others = sorted(i for i in self._snapshots if i != commit_id)
-        kept = sorted([*others, commit_id])[-KEPT_SNAPSHOTS:]
-        return replaced + [self._snapshots[i] for i in others if i not in kept]
+        id, which it replaces, and those no longer among the newest."""
+        kept = self._kept_after_keeping(commit_id)
+        return [snapshot for i, snapshot in self._snapshots.items() if i == commit_id or i not in kept]
 
     def _apply(self, snapshot: Snapshot) -> None:
         for variable, array in zip(self.variables(), snapshot.arrays, strict=True):
@@ -199,8 +201,9 @@ class State:
 
     def _keep(self, snapshot: Snapshot) -> None:
         """Keeps ``snapshot`` and the one before it (:data:`KEPT_SNAPSHOTS`)."""
+        kept = self._kept_after_keeping(snapshot.commit_id)
         self._snapshots[snapshot.commit_id] = snapshot
-        for old in sorted(self._snapshots)[:-KEPT_SNAPSHOTS]:
+        for old in [i for i in self._snapshots if i not in kept]:
             del self._snapshots[old]
 
     # commit / restore / sync ------------------------------------------------------------------
