@@ -32,6 +32,10 @@ EDL_HOST_SEGMENT_BYTES     all-reduces up to this size among workers all on one 
                            workers, 4 MiB among 4 to 16, less beyond (the file within 128 MiB),
                            256 KiB where the directory has no room for that;
                            0: never; workers asking for different sizes get the smallest)
+EDL_SINGLE_COPY            1 (default): larger all-reduces among workers all on one host go
+                           through that file too, each worker reading the others' arrays
+                           straight out of their processes (process_vm_readv), where every
+                           worker allows it and the kernel lets them; 0: by messages
 EDL_SPIN_US                microseconds a caller polls a lane or data socket before
                            it sleeps (default 200; where the host's workers outnumber
                            its cores 2000, or 0 with EDL_SPIN_YIELD=0; 0: sleep at once)

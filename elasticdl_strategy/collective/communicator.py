@@ -144,7 +144,10 @@ class Communicator:
         (log2 N exchanges): :mod:`~elasticdl_strategy.collective.cost_model` picks.
         Among ranks all on one host, arrays up to ``host_segment_bytes`` (transport
         options) take one round through a host segment instead, without messages
-        (:mod:`~elasticdl_strategy.collective.host_allreduce`); the same bits.
+        (:mod:`~elasticdl_strategy.collective.host_allreduce`); the same bits. Larger
+        ones go through it too where the ranks may read each other's memory
+        (``single_copy``): each reduces its part reading the others' arrays where
+        they lie, then reads their reduced parts.
 
         Args:
             array: any shape, any size (0 included), a supported dtype.
@@ -197,7 +200,7 @@ class Communicator:
         whatever its own options say."""
         if not self._host_segment_possible:
             return False
-        return self._host_segment is None or nbytes <= self._host_segment.slot_bytes
+        return self._host_segment is None or self._host_segment.takes(nbytes)
 
     def _through_host_segment(self, call: ring.CollectiveCall, flat: np.ndarray, ufunc) -> bool:
         """All-reduces ``flat`` through the host segment (set up by the first call that may use one,
@@ -207,7 +210,9 @@ class Communicator:
         if self._host_segment is None:
             options = self.p2p.options
             wanted = host_allreduce.wanted_slot_bytes(options)
-            self._host_segment = host_allreduce.HostAllreduce.agree(call, options.shared_memory_dir, wanted)
+            self._host_segment = host_allreduce.HostAllreduce.agree(
+                call, options.shared_memory_dir, wanted, options.single_copy
+            )
             if self._host_segment is None:
                 self._host_segment_possible = False
                 return False

@@ -10,13 +10,23 @@ exchange (and the same bits as it). Where N slots are too much to read for every
 (:func:`splits`), each rank reduces only its own part of them, in the same order, and puts it back
 in its slot; after a second round of arrivals each copies the others' parts.
 
+An all-reduce larger than a slot goes through the segment too where every rank may read every
+other's memory (:mod:`elasticdl_strategy.transport.cross_memory`, found out when the segment is
+set up): each rank publishes where its array lies instead of copying it, reduces its own part of
+the arrays (:func:`parts`) in rank order 0..N-1, reading the others' straight out of their
+processes, and after a second round reads the others' reduced parts the same way; a third round
+keeps every array in place until nobody reads it. One copy per byte read instead of two (into a
+lane and out of it), no transport thread, and no memory beyond a few chunks of scratch.
+
 The segment is set up by the first all-reduce or barrier of a membership on one host, whatever its
 size (:meth:`HostAllreduce.agree`, inside that collective, over the point-to-point messages that
 stay the failure and control path): the ranks agree on the smallest slot size any asks for (none if
 one asks for none; by default 256 KiB, or 4 MiB among 4 ranks or more where there is room: see
 :func:`slot_sizes`), rank 0 creates it and sends its name to every rank; each maps it; the ranks
-agree (a direct all-reduce of who could) to use it from then on, or never in this membership.
-Which calls go through it follows from its slots' size alone, the same on every rank.
+agree (a direct all-reduce of who could) to use it from then on, or never in this membership;
+then whether each can read every other's memory (each reads a word another published, whose
+value it knows). Which calls go through it follows from its slots' size and that agreement
+alone, the same on every rank (:meth:`HostAllreduce.takes`).
 
 While a rank waits for the others it watches what would end a wait for a message: the
 communicator aborted (a peer failed, mismatched or timed out and said so), a peer that has not
@@ -43,7 +53,7 @@ from elasticdl_strategy.collective import direct
 from elasticdl_strategy.collective.p2p import SWEEP_S, PointToPoint
 from elasticdl_strategy.collective.ring import CollectiveCall
 from elasticdl_strategy.errors import CollectiveTimeoutError, CommunicatorClosedError, PeerFailureError
-from elasticdl_strategy.transport import futex
+from elasticdl_strategy.transport import cross_memory, futex
 from elasticdl_strategy.transport.host_segment import NONCE_BYTES, NOTE_BYTES, HostSegment
 from elasticdl_strategy.transport.options import TransportOptions
 
@@ -59,6 +69,10 @@ LOOKS_BETWEEN_CHECKS = 32
 AUTO = 1 << 62
 SMALL_SLOT_BYTES, LARGE_SLOT_BYTES, LARGE_SLOTS_FROM_RANKS = 256 << 10, 4 << 20, 4
 LARGE_SEGMENT_BYTES = 128 << 20  # the most that large slots take: 2 * N of them
+# A rank reducing its part reads the others' arrays in pieces of this size, each reduced while it
+# is still in the core's cache.
+READ_CHUNK_BYTES = 512 << 10
+_PROBE = 0x65646C2D636D6121  # the word ranks read from each other to learn that they may (xor a pid)
 
 
 def possible(all_on_one_host: bool) -> bool:
@@ -103,24 +117,42 @@ class HostAllreduce:
     :meth:`wake` may be called from any thread.
     """
 
-    def __init__(self, segment: HostSegment):
+    def __init__(self, segment: HostSegment, pids: Optional[List[int]] = None):
         self._segment = segment
+        self._pids = pids  # every rank's process id, where every rank may read every other's memory
         self._calls = 0  # all-reduces through the segment: their parity chooses the slots
-        self._count = 0  # arrivals published (two for an all-reduce that splits)
+        self._count = 0  # arrivals published (two for an all-reduce that splits, three for one in place)
         self._slots: Dict[tuple, Tuple[np.ndarray, ...]] = {}
+        # By parity and rank: the word at the start of the slot where a rank publishes where its array lies.
+        self._addresses = [[segment.slot(r, p, 8).cast("Q") for r in range(segment.ranks)] for p in (0, 1)]
+        self._scratch: Optional[np.ndarray] = None
         self._closed = False
 
     @property
     def slot_bytes(self) -> int:
         return self._segment.slot_bytes
 
+    @property
+    def single_copy(self) -> bool:
+        """Whether all-reduces larger than a slot go through the segment, read where they lie."""
+        return self._pids is not None
+
+    def takes(self, nbytes: int) -> bool:
+        """Whether an all-reduce of ``nbytes`` goes through the segment: one that fits a slot, or any
+        where the ranks read each other's arrays (:attr:`single_copy`). The same on every rank."""
+        return nbytes <= self._segment.slot_bytes or self._pids is not None
+
     @classmethod
-    def agree(cls, call: CollectiveCall, directory: str, slot_bytes: int) -> Optional["HostAllreduce"]:
+    def agree(
+        cls, call: CollectiveCall, directory: str, slot_bytes: int, single_copy: bool = True
+    ) -> Optional["HostAllreduce"]:
         """Sets up a segment among all ranks of ``call``; every rank calls it within the same collective.
         ``slot_bytes``: the slots this rank's options ask for (:func:`wanted_slot_bytes`); the
         segment's are the smallest any rank asks for (by default, :func:`slot_sizes`; every rank
         reads what rank 0 made from the file), so that options differing between workers still
-        give every rank the same segment and the same choice of path.
+        give every rank the same segment and the same choice of path. ``single_copy``: whether this
+        rank's options allow reading the others' arrays where they lie; that path is used only if
+        every rank's do and every rank can (:func:`_readable_pids`).
 
         Returns:
             the segment's all-reduce on every rank, or None on every rank (some rank asked for
@@ -155,7 +187,7 @@ class HostAllreduce:
             if segment is not None:
                 segment.close()
             return None
-        return cls(segment)
+        return cls(segment, _readable_pids(call, single_copy))
 
     def allreduce(
         self,
@@ -166,7 +198,7 @@ class HostAllreduce:
         healthy: Callable[[], None],
         differs: Callable[[bytes, bytes], bool],
     ) -> Dict[int, bytes]:
-        """All-reduces the 1-D ``flat`` (at most :attr:`slot_bytes`) in place over the segment.
+        """All-reduces the 1-D ``flat`` (a size the segment :meth:`takes`) in place over the segment.
 
         ``note`` describes the call (at most :data:`~.host_segment.NOTE_BYTES`; published with
         the slot, for the others to compare); ``healthy()`` raises when the communicator has
@@ -185,9 +217,16 @@ class HostAllreduce:
         if self._closed:
             raise _closed(call.p2p.rank)
         segment = self._segment
+        if not self.takes(flat.nbytes):
+            raise ValueError(f"an all-reduce of {flat.nbytes} bytes does not go through this segment")
         self._calls += 1
-        slots = self._slots_of(self._calls % 2, flat)
-        np.copyto(slots[segment.rank], flat)
+        parity = self._calls % 2
+        in_place = flat.nbytes > segment.slot_bytes
+        if in_place:
+            self._addresses[parity][segment.rank][0] = flat.ctypes.data
+        else:
+            slots = self._slots_of(parity, flat)
+            np.copyto(slots[segment.rank], flat)
         count = self._publish(note)
         if not segment.all_arrived(count):
             elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
@@ -196,7 +235,9 @@ class HostAllreduce:
         differing = segment.not_noted(count, note)
         if differing:
             return {r: segment.note(r, count) for r in differing}
-        if splits(flat.nbytes, segment.ranks):
+        if in_place:
+            self._reduce_in_place(call, flat, ufunc, parity, note, healthy)
+        elif splits(flat.nbytes, segment.ranks):
             self._reduce_split(call, flat, ufunc, slots, note, healthy)
         else:
             self._reduce(flat, ufunc, slots, slice(None))
@@ -240,6 +281,73 @@ class HostAllreduce:
             if r != rank:
                 theirs = slice(bounds[r], bounds[r + 1])
                 flat[theirs] = slots[r][theirs]
+
+    def _reduce_in_place(
+        self, call: CollectiveCall, flat: np.ndarray, ufunc: Callable, parity: int, note: bytes, healthy: Callable
+    ) -> None:
+        """Each rank reduces its own part (:func:`parts`) of every rank's array, read where it lies,
+        into its own array; once every rank has, each reads the others' parts of theirs into its
+        own; once every rank has done that, no array is read any more and each may return. The
+        same operations in the same order as :meth:`_reduce`: the same bits."""
+        p2p, rank, ranks = call.p2p, self._segment.rank, self._segment.ranks
+        bounds = parts(flat.size, ranks)
+        addresses = [words[0] for words in self._addresses[parity]]
+        self._reduce_part(p2p, flat, ufunc, addresses, bounds[rank], bounds[rank + 1])
+        self._wait(call, self._publish(note), healthy, lambda theirs: False)  # all agreed on this call already
+        for r in range(ranks):
+            if r != rank:
+                self._read(p2p, r, addresses[r] + bounds[r] * flat.itemsize, flat[bounds[r] : bounds[r + 1]])
+        self._wait(call, self._publish(note), healthy, lambda theirs: False)
+
+    def _reduce_part(
+        self, p2p: PointToPoint, flat: np.ndarray, ufunc: Callable, addresses: List[int], start: int, stop: int
+    ) -> None:
+        """``flat[start:stop]`` = that part of every rank's array (this rank's is ``flat``) reduced in
+        rank order, a chunk at a time: each chunk read from the others is reduced while in cache.
+        This rank's own values are read before ``flat`` is written: only the last term is reduced
+        straight into it."""
+        ranks, itemsize = self._segment.ranks, flat.itemsize
+        if self._scratch is None:
+            self._scratch = np.empty((3, READ_CHUNK_BYTES), np.uint8)
+        first, second, total = (row.view(flat.dtype) for row in self._scratch)
+        pair = (first, second)
+        step = first.size
+        for a in range(start, stop, step):
+            b = min(a + step, stop)
+            out = flat[a:b]
+            terms = [self._term(p2p, r, addresses[r] + a * itemsize, out, into[: b - a]) for r, into in enumerate(pair)]
+            if ranks == 2:
+                ufunc(terms[0], terms[1], out=out)
+                continue
+            ufunc(terms[0], terms[1], out=total[: b - a])
+            for r in range(2, ranks):
+                term = self._term(p2p, r, addresses[r] + a * itemsize, out, first[: b - a])
+                ufunc(total[: b - a], term, out=out if r == ranks - 1 else total[: b - a])
+
+    def _term(self, p2p: PointToPoint, r: int, address: int, mine: np.ndarray, into: np.ndarray) -> np.ndarray:
+        """Rank ``r``'s values of a chunk: ``mine`` if ``r`` is this rank, else read into ``into``."""
+        if r == self._segment.rank:
+            return mine
+        self._read(p2p, r, address, into)
+        return into
+
+    def _read(self, p2p: PointToPoint, peer: int, address: int, into: np.ndarray) -> None:
+        """Copies ``into.nbytes`` bytes of ``peer``'s memory at ``address`` into ``into``.
+
+        Raises:
+            PeerFailureError: the kernel refused or found nothing there: ``peer`` ended or left.
+        """
+        assert self._pids is not None
+        try:
+            cross_memory.read(self._pids[peer], address, into)
+        except OSError as e:
+            p2p.raise_if_failed([peer])
+            raise PeerFailureError(
+                f"rank {p2p.rank}: cannot read {p2p.describe_peer(peer)}'s array ({e.strerror}): "
+                "its process ended or left the call",
+                peer_rank=peer,
+                rank=p2p.rank,
+            ) from e
 
     def announce(self, note: bytes) -> None:
         """Tells the ranks of the segment what this rank does now (every collective's descriptor).
@@ -338,6 +446,36 @@ class HostAllreduce:
         notes = {r: self._segment.current(r) for r in missing}
         late = self._segment.missing(count)
         return {r: note for r, note in notes.items() if r in late and note and elsewhere(note)}
+
+
+def _readable_pids(call: CollectiveCall, wanted: bool) -> Optional[List[int]]:
+    """Every rank's process id if every rank wants to and can read every other's memory
+    (:mod:`~elasticdl_strategy.transport.cross_memory`), else None; the same on every rank. Each
+    publishes its pid and where a word lies whose value follows from its pid, and reads the
+    others' (two direct all-reduces among the ranks of ``call``)."""
+    p2p = call.p2p
+    pid = os.getpid()
+    probe = np.array([_PROBE ^ pid], np.uint64)  # read by the others before the second all-reduce ends
+    table = np.zeros((p2p.size, 3), np.int64)
+    table[p2p.rank] = (int(wanted and cross_memory.AVAILABLE), pid, probe.ctypes.data)
+    direct.allreduce(call, table.reshape(-1), np.add)
+    able = bool(table[:, 0].all())
+    seen = np.zeros(1, np.uint64)
+    for r in range(p2p.size):
+        if not able or r == p2p.rank:
+            continue
+        peer_pid = int(table[r, 1])
+        try:
+            cross_memory.read(peer_pid, int(table[r, 2]), seen)
+        except OSError as e:
+            logger.info("cannot read %s's memory (%s): large all-reduces go by messages", p2p.describe_peer(r), e)
+            able = False
+        else:
+            able = int(seen[0]) == _PROBE ^ peer_pid  # not: another process of that pid (another PID namespace)
+    agreed = np.array([able], np.uint8)
+    direct.allreduce(call, agreed, np.minimum)
+    del probe  # kept until here: every rank has read it
+    return [int(p) for p in table[:, 1]] if agreed[0] else None
 
 
 def splits(nbytes: int, ranks: int) -> bool:

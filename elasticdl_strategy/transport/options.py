@@ -162,6 +162,12 @@ class TransportOptions:
             within 128 MiB), 256 KiB where the shared-memory directory has no
             room for that (the rule: ``host_allreduce.slot_sizes``). The
             segment takes 2 · N · this many bytes.
+        single_copy: all-reduces larger than the host segment's slots go
+            through it too, each rank reading the others' arrays straight out
+            of their processes (:mod:`.cross_memory`: one copy instead of two),
+            where every worker allows it and the kernel lets every worker read
+            every other (the same user, no policy against tracing); False: by
+            the ring of messages.
         spin_us: how long a caller waiting for a message on a lane or data
             socket looks for it again and again before it sleeps until woken (a sleep and
             its wake-up cost tens of microseconds); 0: sleep at once. From the
@@ -201,6 +207,7 @@ class TransportOptions:
     shm_slots: int = 8
     shm_lane_bytes: int = 16 * MiB
     host_segment_bytes: Optional[int] = None
+    single_copy: bool = True
     spin_us: float = 200.0
     spin_yield: bool = False
     data_socket: bool = True
@@ -275,13 +282,14 @@ class TransportOptions:
         """Reads ``EDL_CHUNK_SIZE``, ``EDL_TIMEOUT``, ``EDL_CONNECT_TIMEOUT``, ``EDL_KEEPALIVE``,
         ``EDL_SLOW_WARNING``, ``EDL_SHARED_MEMORY`` (0 or 1), ``EDL_SHM_DIR``, ``EDL_SHM_SLOT_SIZE``,
         ``EDL_SHM_SLOTS``, ``EDL_SHM_LANE_BYTES``, ``EDL_HOST_SEGMENT_BYTES``, ``EDL_SPIN_US``, ``EDL_SPIN_YIELD``,
-        ``EDL_DATA_SOCKET``, ``EDL_HIERARCHICAL`` (these three 0 or 1) and TLS."""
+        ``EDL_SINGLE_COPY``, ``EDL_DATA_SOCKET``, ``EDL_HIERARCHICAL`` (these four 0 or 1) and TLS."""
         kwargs: Dict[str, Any] = {"tls": TLSConfig.from_env(env)}
         for var, name in (
             ("EDL_SHARED_MEMORY", "shared_memory"),
             ("EDL_DATA_SOCKET", "data_socket"),
             ("EDL_HIERARCHICAL", "hierarchical"),
             ("EDL_SPIN_YIELD", "spin_yield"),
+            ("EDL_SINGLE_COPY", "single_copy"),
         ):
             flag = env.get(var)
             if flag:

@@ -26,6 +26,7 @@ from elasticdl_strategy import runtime
 from elasticdl_strategy.collective import compression, ring
 from elasticdl_strategy.collective.dtypes import REDUCE_UFUNCS, dtype_name
 from elasticdl_strategy.errors import CollectiveMismatchError, UsageError
+from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from tests.cluster import ThreadCluster
 from tests.collective.reference import assert_identical
@@ -39,7 +40,9 @@ TINY = {"fp16": 2.0**-25, "bf16": 2.0**-134}
 
 @pytest.fixture(scope="module")
 def clusters():
-    made = {n: ThreadCluster(n) for n in SIZES}
+    # Without single copy: the plain all-reduces that the byte counts compare with take the ring.
+    options = TransportOptions(timeout_s=20.0, connect_timeout_s=5.0, single_copy=False)
+    made = {n: ThreadCluster(n, options) for n in SIZES}
     yield made
     for cluster in made.values():
         cluster.close()

@@ -10,6 +10,7 @@ from elasticdl_strategy.errors import PeerFailureError
 from elasticdl_strategy.transport import life_marks
 from tests.cluster import ThreadCluster
 from tests.launch import TRANSPORTS, read_reports, run_job, transport_env, worker_script
+from tests.transport.test_cross_memory import cross_memory_allowed
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +40,22 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         shared = transport in ("host-segment", "shared-memory")
         assert outcome["shared_memory_peers"] == (sorted(streams) if shared else []), outcome
         assert outcome["data_socket_peers"] == (sorted(streams) if transport != "grpc" else []), outcome
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sigkill_of_a_peer_during_allreduces_read_where_they_lie_raises_peer_failure_within_2s(tmp_path, n):
+    if not cross_memory_allowed():
+        pytest.skip("this machine does not let a process read another's memory")
+    env = transport_env("host-segment")
+    command = [sys.executable, worker_script("peer_killed.py"), str(tmp_path), "kill-in-place"]
+    job = run_job(n, command, timeout=90, env=env)
+    victim = json.loads((tmp_path / "victim.json").read_text())
+    assert "was killed by signal 9" in job.stderr
+    for outcome in _survivors(tmp_path, n, victim):
+        assert outcome["single_copy"], outcome
+        assert outcome["error"] == "PeerFailureError", outcome
+        assert outcome["peer_rank"] == victim["rank"], outcome
+        assert outcome["at"] - victim["killed_at"] < 2.0, outcome
 
 
 @pytest.mark.skipif(not life_marks.AVAILABLE, reason="life marks need Linux, glibc and x86-64")

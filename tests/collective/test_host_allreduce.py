@@ -4,6 +4,7 @@ exchange, and every failure a message path would see (a peer that left, a deadli
 import dataclasses
 import errno
 import os
+import subprocess
 import threading
 import time
 
@@ -58,8 +59,8 @@ def test_the_segment_gives_the_same_bits_as_the_direct_exchange():
     assert outcomes[0] == outcomes[1]
 
 
-def test_arrays_above_the_segments_size_go_by_messages():
-    options = transport_options("host-segment", host_segment_bytes=4096)
+def test_without_single_copy_arrays_above_the_segments_size_go_by_messages():
+    options = transport_options("host-segment", host_segment_bytes=4096, single_copy=False)
     with ThreadCluster(2, options) as cluster:
         cluster.run(lambda c: c.allreduce(np.ones(1024, np.float32)))  # 4 KiB: the segment
         sent = [c.p2p.messages_sent for c in cluster.communicators]
@@ -346,7 +347,8 @@ def test_a_peer_that_leaves_between_the_two_rounds_of_a_split_fails_the_others_a
 @pytest.mark.parametrize("n, slot", [(3, 256 << 10), (4, 4 << 20)])
 def test_by_default_four_ranks_or_more_take_all_reduces_of_a_few_mib_through_the_segment(n, slot):
     inputs = _inputs(n, 1 << 18)  # 1 MiB of float32
-    with ThreadCluster(n, transport_options("host-segment")) as cluster:
+    # Without single copy, which would take any size through the segment.
+    with ThreadCluster(n, transport_options("host-segment", single_copy=False)) as cluster:
         cluster.run(lambda c: c.barrier())  # sets the segment up
         sent = [c.p2p.messages_sent for c in cluster.communicators]
         results = cluster.run(lambda c: c.allreduce(inputs[c.rank]))
@@ -379,3 +381,111 @@ def test_without_room_for_large_slots_the_default_segment_has_small_ones(monkeyp
         cluster.run(lambda c: c.allreduce(np.full(1000, c.rank + 1.0, np.float32)))
         assert [c.p2p.messages_sent for c in cluster.communicators] == sent  # small ones: the segment
     assert all(r.tolist() == [10.0] * (1 << 18) for r in results)
+
+
+# ---- single copy: all-reduces larger than a slot, read where they lie ---------------------------
+
+
+def _reference(inputs, ufunc=np.add):
+    """The inputs reduced in rank order 0..N-1, as the segment reduces (the bits to expect)."""
+    expected = ufunc(inputs[0], inputs[1])
+    for x in inputs[2:]:
+        expected = ufunc(expected, x)
+    return expected
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_larger_allreduces_are_read_where_they_lie_in_three_rounds_without_messages(monkeypatch, n):
+    monkeypatch.setattr(host_allreduce, "READ_CHUNK_BYTES", 4096)  # parts of several chunks, the last one short
+    calls = [
+        (10_001, np.float32, "sum", False),
+        (3000, np.float64, "sum", True),  # out= a new array: the input stays as it was
+        (1000, np.float32, "sum", False),  # in a slot, between the others: slots and arrivals interleave
+        (2049, np.int64, "max", False),
+        (5003, np.float64, "prod", False),
+    ]
+    inputs = {size: _inputs(n, size, dtype) for size, dtype, _, _ in calls}
+    options = transport_options("host-segment", host_segment_bytes=8192)
+    with ThreadCluster(n, options) as cluster:
+        cluster.run(lambda c: c.barrier())  # sets the segment up
+        assert all(c._host_segment.single_copy for c in cluster.communicators)
+        sent = [c.p2p.messages_sent for c in cluster.communicators]
+
+        def program(c):
+            before, results = c._host_segment._count, []
+            for size, dtype, op, out in calls:
+                mine = inputs[size][c.rank].copy()
+                results.append(c.allreduce(mine, op=op, out=np.empty_like(mine) if out else mine))
+                assert not out or mine.tobytes() == inputs[size][c.rank].tobytes()
+            return c._host_segment._count - before, results
+
+        outcomes = cluster.run(program)
+        assert [c.p2p.messages_sent for c in cluster.communicators] == sent
+    in_slots = sum(size * np.dtype(dtype).itemsize <= 8192 for size, dtype, _, _ in calls)
+    assert [arrivals for arrivals, _ in outcomes] == [in_slots + 3 * (len(calls) - in_slots)] * n
+    for i, (size, _, op, _) in enumerate(calls):
+        expected = _reference(inputs[size], {"sum": np.add, "max": np.maximum, "prod": np.multiply}[op])
+        for _, results in outcomes:  # every rank: the same bits, those of the reduction in rank order
+            assert results[i].tobytes() == expected.tobytes(), (size, op)
+
+
+def test_ranks_that_cannot_read_each_other_all_go_by_messages(monkeypatch):
+    def refused(pid, address, into):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    options = transport_options("host-segment", host_segment_bytes=4096)
+    no_single_copy = dataclasses.replace(options, single_copy=False)
+    inputs = _inputs(3, 5000)
+    for per_rank, patch in (([options, no_single_copy, options], False), ([options] * 3, True)):
+        if patch:  # the kernel forbids reading another process (a policy against tracing)
+            monkeypatch.setattr(host_allreduce.cross_memory, "read", refused)
+        with ThreadCluster(3, per_rank) as cluster:
+            cluster.run(lambda c: c.barrier())
+            assert not any(c._host_segment.single_copy for c in cluster.communicators)
+            sent = [c.p2p.messages_sent for c in cluster.communicators]
+            results = cluster.run(lambda c: c.allreduce(inputs[c.rank]))
+            assert all(c.p2p.messages_sent > s for c, s in zip(cluster.communicators, sent))
+        for result in results:
+            np.testing.assert_allclose(result, inputs[0] + inputs[1] + inputs[2], rtol=1e-6)
+            assert result.tobytes() == results[0].tobytes()
+
+
+def test_ranks_that_disagree_on_a_larger_allreduce_all_raise_mismatch():
+    def program(c):
+        c.barrier()
+        return c.allreduce(np.ones(5000 if c.rank == 1 else 5001, np.float32))
+
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
+        results = cluster.run_outcomes(program, timeout=30)
+    for rank, outcome in enumerate(results):
+        assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
+        assert "shape" in str(outcome)
+
+
+@pytest.mark.parametrize("where", ["_reduce_part", "read"])
+def test_a_peer_that_leaves_or_cannot_be_read_during_a_larger_allreduce_fails_the_others_at_once(where):
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096, spin_us=0.0)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        leaver = cluster.communicators[2]
+        if where == "_reduce_part":
+
+            def leave(*args):  # rank 2 has published where its array lies, then leaves instead of reducing
+                leaver.close()
+                raise RuntimeError("left between the rounds")
+
+            leaver._host_segment._reduce_part = leave
+        else:  # rank 0 finds rank 2's process gone when it reads (every rank is this process here)
+            gone = subprocess.Popen(["true"])  # noqa: S607
+            gone.wait()
+            cluster.communicators[0]._host_segment._pids[2] = gone.pid
+        start = time.monotonic()
+        outcomes = cluster.run_outcomes(lambda c: c.allreduce(np.ones(5000, np.float32)), timeout=30)
+    if where == "_reduce_part":
+        assert "left between the rounds" in str(outcomes[2])
+        for outcome in outcomes[:2]:
+            assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
+    else:
+        assert isinstance(outcomes[0], PeerFailureError) and "cannot read rank 2" in str(outcomes[0]), outcomes[0]
+        for outcome in outcomes:  # rank 0 aborted the call on every rank
+            assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
+    assert time.monotonic() - start < 10

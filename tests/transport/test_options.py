@@ -42,6 +42,13 @@ def test_the_host_segments_size_is_the_default_unless_set():
     assert TransportOptions.from_env({"EDL_HOST_SEGMENT_BYTES": "8192"}).host_segment_bytes == 8192
 
 
+def test_single_copy_is_on_unless_turned_off():
+    assert TransportOptions.from_env({}).single_copy
+    assert not TransportOptions.from_env({"EDL_SINGLE_COPY": "0"}).single_copy
+    with pytest.raises(ConfigError, match="EDL_SINGLE_COPY='off' must be 0 or 1"):
+        TransportOptions.from_env({"EDL_SINGLE_COPY": "off"})
+
+
 def test_callers_spin_yielding_their_core_only_where_the_hosts_workers_outnumber_its_cores():
     cores = len(os.sched_getaffinity(0))
     alone = TransportOptions.from_env({"EDL_LOCAL_SIZE": str(cores)})

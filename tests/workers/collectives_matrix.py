@@ -106,8 +106,13 @@ def main(results_dir: str, with_64mib: bool) -> None:
 
         check("allreduce 64 MiB", big)
 
-    p2p = runtime.communicator().p2p
-    paths = {"shared_memory": p2p.shared_memory_peers, "data_socket": p2p.data_socket_peers}
+    communicator = runtime.communicator()
+    p2p, segment = communicator.p2p, communicator._host_segment
+    paths = {
+        "shared_memory": p2p.shared_memory_peers,
+        "data_socket": p2p.data_socket_peers,
+        "single_copy": segment is not None and segment.single_copy,
+    }
     write_report(
         results_dir, rank, {"rank": rank, "size": n, "failures": failures, "counters": counters, "paths": paths}
     )

@@ -1,5 +1,6 @@
 """Worker of test_failures.py: the last rank SIGKILLs (or SIGSTOPs) itself during a stream of all-reduces
-(``kill-large``: SIGKILL with 2 GiB resident, whose teardown keeps its sockets open ~0.1 s longer).
+(``kill-large``: SIGKILL with 2 GiB resident, whose teardown keeps its sockets open ~0.1 s longer;
+``kill-in-place``: all-reduces of 4 MiB, which ranks of one host read where they lie).
 
 Survivors write ``{results_dir}/rank{r}.json`` with the error they got and when.
 """
@@ -20,10 +21,11 @@ def main(results_dir: str, how: str) -> None:
     runtime.init()
     rank, n = runtime.rank(), runtime.size()
     victim = n - 1
+    elements = 1 << 20 if how == "kill-in-place" else 1 << 16
     runtime.barrier()
     if rank == victim:
         for _ in range(20):
-            runtime.allreduce(np.ones(1 << 16, np.float32))
+            runtime.allreduce(np.ones(elements, np.float32))
         ballast = np.ones(2 << 30, np.uint8) if how == "kill-large" else None  # noqa: F841 - resident until the kill
         with open(os.path.join(results_dir, "victim.json"), "w") as f:
             json.dump({"rank": rank, "killed_at": time.time()}, f)
@@ -32,11 +34,13 @@ def main(results_dir: str, how: str) -> None:
     outcome = {"rank": rank, "error": None}
     try:
         for _ in range(100_000):
-            runtime.allreduce(np.ones(1 << 16, np.float32))
+            runtime.allreduce(np.ones(elements, np.float32))
     except errors.ElasticDLError as e:
         outcome.update(error=type(e).__name__, at=time.time(), peer_rank=getattr(e, "peer_rank", None), message=str(e))
     outcome["shared_memory_peers"] = runtime.communicator().p2p.shared_memory_peers
     outcome["data_socket_peers"] = runtime.communicator().p2p.data_socket_peers
+    segment = runtime.communicator()._host_segment
+    outcome["single_copy"] = segment is not None and segment.single_copy
     write_report(results_dir, rank, outcome)
     sys.exit(3 if outcome["error"] else 0)
 
