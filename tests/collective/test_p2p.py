@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-from elasticdl_strategy.collective import p2p as p2p_module
 from elasticdl_strategy.collective.mailbox import Mailbox, ReduceSink
 from elasticdl_strategy.collective.p2p import PointToPoint, _AwaitedOnSocket, _DirectReceive, _InboundStream
 from elasticdl_strategy.collective.ring import CollectiveCall
@@ -466,9 +465,12 @@ def test_over_a_data_socket_the_sender_writes_and_the_waiting_receiver_reads_in_
     socket_pair, monkeypatch
 ):
     _, a, b = socket_pair
-    # One read of the socket for the whole receive: between two (a sweep of the lanes every SWEEP_S)
-    # the stream's thread may take the socket over, as it should when the receiver is slow to come back.
-    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
+    # The receive reads the socket itself for its whole timeout, not only for spin_us (200 us): a send
+    # that comes later, on a loaded machine, finds it posted, and the stream's thread may read it then.
+    sockets = b._sockets
+    monkeypatch.setattr(
+        b, "_take_from_socket", lambda key, sink, timeout: sockets[key[0]].take_from_socket(key, sink, timeout, False)
+    )
     writers, readers = [], _threads_reading_headers(monkeypatch)
     send_frame = FrameSocket.send_frame
 
