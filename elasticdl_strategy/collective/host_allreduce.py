@@ -15,8 +15,11 @@ other's memory (:mod:`elasticdl_strategy.transport.cross_memory`, found out when
 set up): each rank publishes where its array lies instead of copying it, reduces its own part of
 the arrays (:func:`parts`) in rank order 0..N-1, reading the others' straight out of their
 processes, and after a second round reads the others' reduced parts the same way; a third round
-keeps every array in place until nobody reads it. One copy per byte read instead of two (into a
-lane and out of it), no transport thread, and no memory beyond a few chunks of scratch.
+keeps every array in place until nobody reads it, and a rank that gives up in that round (its
+wait raised: the others may still read its array, which its caller may then change) says so in
+the segment, so that a rank that read it fails its call too (:meth:`HostAllreduce._raise_if_abandoned`).
+One copy per byte read instead of two (into a lane and out of it), no transport thread, no memory
+beyond a few chunks of scratch, and nothing written into another process.
 
 The segment is set up by the first all-reduce or barrier of a membership on one host, whatever its
 size (:meth:`HostAllreduce.agree`, inside that collective, over the point-to-point messages that
@@ -43,6 +46,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import secrets
 import struct
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -72,7 +76,6 @@ LARGE_SEGMENT_BYTES = 128 << 20  # the most that large slots take: 2 * N of them
 # A rank reducing its part reads the others' arrays in pieces of this size, each reduced while it
 # is still in the core's cache.
 READ_CHUNK_BYTES = 512 << 10
-_PROBE = 0x65646C2D636D6121  # the word ranks read from each other to learn that they may (xor a pid)
 
 
 def possible(all_on_one_host: bool) -> bool:
@@ -297,7 +300,27 @@ class HostAllreduce:
         for r in range(ranks):
             if r != rank:
                 self._read(p2p, r, addresses[r] + bounds[r] * flat.itemsize, flat[bounds[r] : bounds[r + 1]])
-        self._wait(call, self._publish(note), healthy, lambda theirs: False)
+        count = self._publish(note)
+        try:
+            self._wait(call, count, healthy, lambda theirs: False)
+        except BaseException:
+            # Others may still read this rank's array, which its caller may now change or free.
+            self._segment.abandon(count)
+            raise
+        self._raise_if_abandoned(p2p, count)
+
+    def _raise_if_abandoned(self, p2p: PointToPoint, count: int) -> None:
+        """Raises PeerFailureError if a rank gave up the call of arrival ``count`` (:meth:`~.host_segment.
+        HostSegment.abandon`): its array may have changed while this rank read it. Looked at once this
+        rank's reads are done: a rank that gives up later changes its array only after saying so."""
+        for r in range(self._segment.ranks):
+            if r != self._segment.rank and self._segment.abandoned(r) >= count:
+                raise PeerFailureError(
+                    f"rank {p2p.rank}: {p2p.describe_peer(r)} gave up the all-reduce while this rank read "
+                    "its array; the result is not used",
+                    peer_rank=r,
+                    rank=p2p.rank,
+                )
 
     def _reduce_part(
         self, p2p: PointToPoint, flat: np.ndarray, ufunc: Callable, addresses: List[int], start: int, stop: int
@@ -451,27 +474,28 @@ class HostAllreduce:
 def _readable_pids(call: CollectiveCall, wanted: bool) -> Optional[List[int]]:
     """Every rank's process id if every rank wants to and can read every other's memory
     (:mod:`~elasticdl_strategy.transport.cross_memory`), else None; the same on every rank. Each
-    publishes its pid and where a word lies whose value follows from its pid, and reads the
-    others' (two direct all-reduces among the ranks of ``call``)."""
+    publishes its pid, a random word and where that word lies, and reads the others' (two direct
+    all-reduces among the ranks of ``call``): a pid that names another process here (another PID
+    namespace, the reader itself included) does not hold that word there."""
     p2p = call.p2p
     pid = os.getpid()
-    probe = np.array([_PROBE ^ pid], np.uint64)  # read by the others before the second all-reduce ends
-    table = np.zeros((p2p.size, 3), np.int64)
-    table[p2p.rank] = (int(wanted and cross_memory.AVAILABLE), pid, probe.ctypes.data)
+    token = secrets.randbits(63)
+    probe = np.array([token], np.int64)  # read by the others before the second all-reduce ends
+    table = np.zeros((p2p.size, 4), np.int64)
+    table[p2p.rank] = (int(wanted and cross_memory.AVAILABLE), pid, probe.ctypes.data, token)
     direct.allreduce(call, table.reshape(-1), np.add)
     able = bool(table[:, 0].all())
-    seen = np.zeros(1, np.uint64)
+    seen = np.zeros(1, np.int64)
     for r in range(p2p.size):
         if not able or r == p2p.rank:
             continue
-        peer_pid = int(table[r, 1])
         try:
-            cross_memory.read(peer_pid, int(table[r, 2]), seen)
+            cross_memory.read(int(table[r, 1]), int(table[r, 2]), seen)
         except OSError as e:
             logger.info("cannot read %s's memory (%s): large all-reduces go by messages", p2p.describe_peer(r), e)
             able = False
         else:
-            able = int(seen[0]) == _PROBE ^ peer_pid  # not: another process of that pid (another PID namespace)
+            able = int(seen[0]) == int(table[r, 3])
     agreed = np.array([able], np.uint8)
     direct.allreduce(call, agreed, np.minimum)
     del probe  # kept until here: every rank has read it

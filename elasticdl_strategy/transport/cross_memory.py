@@ -43,19 +43,24 @@ if sys.platform.startswith("linux"):
 AVAILABLE = _readv is not None
 
 
+# The most one call copies: the kernel copies at most 2 GiB - 4 KiB a call and says nothing of the rest.
+MAX_CALL_BYTES = 1 << 30
+
+
 def read(pid: int, address: int, into: np.ndarray) -> None:
-    """Copies ``into.nbytes`` bytes from ``address`` in process ``pid`` into ``into`` (C-contiguous).
+    """Copies ``into.nbytes`` bytes from ``address`` in process ``pid`` into ``into`` (C-contiguous),
+    in calls of at most :data:`MAX_CALL_BYTES`.
 
     Raises:
         OSError: the kernel refused (``EPERM``: not allowed to trace it; ``ESRCH``: no such
             process; ``EFAULT``: not mapped there), or copied less than asked (``EFAULT``).
     """
-    nbytes = into.nbytes
-    if nbytes == 0:
-        return
-    local = _Iovec(into.ctypes.data, nbytes)
-    remote = _Iovec(address, nbytes)
-    copied = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-    if copied != nbytes:
-        code = ctypes.get_errno() if copied < 0 else errno.EFAULT  # a short read ends at an unmapped page
-        raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)} ({copied} of {nbytes} bytes)")
+    start, nbytes = into.ctypes.data, into.nbytes
+    for offset in range(0, nbytes, MAX_CALL_BYTES):
+        size = min(MAX_CALL_BYTES, nbytes - offset)
+        local = _Iovec(start + offset, size)
+        remote = _Iovec(address + offset, size)
+        copied = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if copied != size:
+            code = ctypes.get_errno() if copied < 0 else errno.EFAULT  # a short read ends at an unmapped page
+            raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)} ({copied} of {size} bytes)")

@@ -11,11 +11,14 @@ Layout (a page for the header, then a block per rank, then the slots)::
 
     header:   nonce (16 bytes) | ranks (u32, 16) | slot bytes (u32, 20)
     block r:  arrivals (u64, 0) | sleeping (u32, 64) | doorbell (u32, 128)
-              | note p = 0, 1 (192 + 256·p) | current note (704)
+              | note p = 0, 1 (192 + 256·p) | current note (704) | abandoned (u64, 960)
     note:     version (u32) | length (u32) | bytes (up to NOTE_BYTES)
     slots:    after the blocks, page-aligned: rank r's slot of parity p is slot number 2r + p
 
-Only rank r writes its block's arrivals, sleeping flag and notes; the others write its doorbell.
+Only rank r writes its block's arrivals, sleeping flag, notes and abandoned count; the others write
+its doorbell. The *abandoned* count is the arrival count of a call the rank gave up after publishing
+it (:meth:`HostSegment.abandon`): ranks that read its memory during that call learn that what they
+read may have changed under them.
 A *note* is a few bytes a rank publishes with its slot (the caller's description of what it
 put there, compared by the readers). Slots and notes come in two parities, so a rank can fill
 the next call's slot while slower ranks still read the last one. The *current* note says what
@@ -59,7 +62,7 @@ _NAME_PATTERN = re.compile(r"edl-segment-[0-9]+-[0-9a-f]{16}")
 NONCE_BYTES = 16
 _HEADER = struct.Struct("<II")  # ranks, slot bytes; after the nonce
 _BLOCK_BYTES = 1024
-_ARRIVALS, _SLEEPING, _DOORBELL, _NOTES, _CURRENT = 0, 64, 128, 192, 704
+_ARRIVALS, _SLEEPING, _DOORBELL, _NOTES, _CURRENT, _ABANDONED = 0, 64, 128, 192, 704, 960
 _NOTE_STRIDE = 256
 NOTE_BYTES = _NOTE_STRIDE - 8
 _NOTE_PREFIX = struct.Struct("<II")  # version, length
@@ -97,6 +100,7 @@ class HostSegment:
         blocks = [mmap.PAGESIZE + r * _BLOCK_BYTES for r in range(ranks)]
         # One-element memoryviews: an aligned load or store of a Python int, faster than numpy's.
         self._arrivals = [word(mapping, b + _ARRIVALS, "Q") for b in blocks]
+        self._abandoned = [word(mapping, b + _ABANDONED, "Q") for b in blocks]
         self._sleeping = [word(mapping, b + _SLEEPING, "I") for b in blocks]
         self._doorbells = [word(mapping, b + _DOORBELL, "I") for b in blocks]
         self._doorbell_addresses = [np.frombuffer(mapping, np.uint32, 1, b + _DOORBELL).ctypes.data for b in blocks]
@@ -239,6 +243,16 @@ class HostSegment:
     def arrivals(self, rank: int) -> int:
         return self._arrivals[rank][0]
 
+    def abandon(self, count: int) -> None:
+        """Says that this rank gave up the call whose arrival ``count`` it published: it no longer
+        keeps what the others read during that call (its array) as it was."""
+        self._abandoned[self.rank][0] = count
+        memory_barrier()
+
+    def abandoned(self, rank: int) -> int:
+        """The arrival count of the last call ``rank`` gave up (0: none)."""
+        return self._abandoned[rank][0]
+
     def missing(self, count: int) -> List[int]:
         """The ranks whose arrival count is still below ``count``."""
         return [r for r, a in enumerate(self._arrivals) if a[0] < count]
@@ -276,7 +290,7 @@ class HostSegment:
 
     def close(self) -> None:
         """Unmaps the segment (views still held keep it mapped until they go)."""
-        self._arrivals = self._sleeping = self._doorbells = []
+        self._arrivals = self._sleeping = self._doorbells = self._abandoned = []
         self._note_fields = [[], []]
         try:
             self._bytes.release()

@@ -489,3 +489,61 @@ def test_a_peer_that_leaves_or_cannot_be_read_during_a_larger_allreduce_fails_th
         for outcome in outcomes:  # rank 0 aborted the call on every rank
             assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
     assert time.monotonic() - start < 10
+
+
+def test_a_rank_that_gives_up_while_others_read_its_array_fails_their_call():
+    # Rank 2 publishes its last arrival, then gives up (its wait raises; not a failure that aborts
+    # the others) while ranks 0 and 1 still read its array: they must not return what they read.
+    given_up = threading.Event()
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        segments = [c._host_segment for c in cluster.communicators]
+        last_arrival = segments[2]._count + 3
+        real_wait, real_abandon = segments[2]._wait, segments[2]._segment.abandon
+
+        def wait(call, count, *args):
+            if count == last_arrival:
+                raise RuntimeError("gave up")
+            return real_wait(call, count, *args)
+
+        def abandon(count):
+            real_abandon(count)
+            given_up.set()
+
+        segments[2]._wait, segments[2]._segment.abandon = wait, abandon
+        for segment in segments[:2]:
+            reduced = []
+
+            def reduce_part(*args, segment=segment, reduced=reduced, real=segment._reduce_part):
+                real(*args)
+                reduced.append(True)
+
+            def read(*args, reduced=reduced, real=segment._read):
+                real(*args)
+                if reduced:  # the second round: rank 2 gives up in the middle of it
+                    given_up.wait(10)
+
+            segment._reduce_part, segment._read = reduce_part, read
+        outcomes = cluster.run_outcomes(lambda c: c.allreduce(np.ones(5000, np.float32)), timeout=30)
+    assert "gave up" in str(outcomes[2])
+    for outcome in outcomes[:2]:
+        assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
+        assert "gave up the all-reduce" in str(outcome)
+
+
+def test_a_pid_that_names_another_process_here_is_found_out(monkeypatch):
+    # As across PID namespaces: every probe read reaches the same place (the first one read), which
+    # holds what the rank that published it wrote, not what the others published.
+    real = host_allreduce.cross_memory.read
+    first = []
+
+    def read_the_first_place(pid, address, into):
+        first.append(address)
+        real(pid, first[0], into)
+
+    monkeypatch.setattr(host_allreduce.cross_memory, "read", read_the_first_place)
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        assert not any(c._host_segment.single_copy for c in cluster.communicators)
+        results = cluster.run(lambda c: c.allreduce(np.full(5000, c.rank + 1.0, np.float32)))
+    assert all(r.tolist() == [6.0] * 5000 for r in results)

@@ -65,3 +65,33 @@ def test_a_process_that_is_gone_or_an_unmapped_address_raise_oserror():
     with pytest.raises(OSError) as unmapped:
         cross_memory.read(os.getpid(), 4096, np.empty(4, np.float32))  # the first pages are never mapped
     assert unmapped.value.errno == errno.EFAULT
+
+
+def test_a_read_larger_than_one_call_takes_several(monkeypatch):
+    if not cross_memory_allowed():
+        pytest.skip("this machine does not let a process read another's memory")
+    monkeypatch.setattr(cross_memory, "MAX_CALL_BYTES", 4096)  # the kernel's limit is 2 GiB a call
+    process, pid, address = _holder()
+    try:
+        into = np.zeros(250001, np.float32)  # 245 calls, the last one short
+        cross_memory.read(pid, address + 4 * 1000, into[:250000])
+        np.testing.assert_array_equal(into[:250000], np.arange(1000, 251000, dtype=np.float32))
+        assert into[250000] == 0.0
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.slow
+def test_a_read_of_more_than_2_gib_is_read_whole():
+    if not cross_memory.AVAILABLE:
+        pytest.skip("no process_vm_readv here")
+    # The kernel copies at most 2 GiB - 4 KiB a call. Read onto itself: only the pages written
+    # take memory (2 GiB for the copy, freed at the end).
+    array = np.zeros((2 << 30) + 8192, np.uint8)
+    array[0], array[-1] = 5, 7
+    try:
+        cross_memory.read(os.getpid(), array.ctypes.data, array)
+        assert array[0] == 5 and array[-1] == 7 and array[1 << 31] == 0
+    finally:
+        del array
