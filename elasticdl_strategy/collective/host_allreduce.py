@@ -15,9 +15,10 @@ other's memory (:mod:`elasticdl_strategy.transport.cross_memory`, found out when
 set up): each rank publishes where its array lies instead of copying it, reduces its own part of
 the arrays (:func:`parts`) in rank order 0..N-1, reading the others' straight out of their
 processes, and after a second round reads the others' reduced parts the same way; a third round
-keeps every array in place until nobody reads it, and a rank that gives up in that round (its
-wait raised: the others may still read its array, which its caller may then change) says so in
-the segment, so that a rank that read it fails its call too (:meth:`HostAllreduce._raise_if_abandoned`).
+keeps every array in place until nobody reads it. A rank that gives up before every rank's last
+arrival (a wait or a read raised: the others may still read its array, which its caller may then
+change, and a later call of its own may publish the arrival they wait for) says so in the segment,
+so that a rank that read it fails its call too (:meth:`HostAllreduce._raise_if_abandoned`).
 One copy per byte read instead of two (into a lane and out of it), no transport thread, no memory
 beyond a few chunks of scratch, and nothing written into another process.
 
@@ -295,26 +296,31 @@ class HostAllreduce:
         p2p, rank, ranks = call.p2p, self._segment.rank, self._segment.ranks
         bounds = parts(flat.size, ranks)
         addresses = [words[0] for words in self._addresses[parity]]
-        self._reduce_part(p2p, flat, ufunc, addresses, bounds[rank], bounds[rank + 1])
-        self._wait(call, self._publish(note), healthy, lambda theirs: False)  # all agreed on this call already
-        for r in range(ranks):
-            if r != rank:
-                self._read(p2p, r, addresses[r] + bounds[r] * flat.itemsize, flat[bounds[r] : bounds[r + 1]])
-        count = self._publish(note)
+        last = self._count + 2  # this call's third arrival
         try:
-            self._wait(call, count, healthy, lambda theirs: False)
+            self._reduce_part(p2p, flat, ufunc, addresses, bounds[rank], bounds[rank + 1])
+            self._wait(call, self._publish(note), healthy, lambda theirs: False)  # all agreed on this call already
+            for r in range(ranks):
+                if r != rank:
+                    self._read(p2p, r, addresses[r] + bounds[r] * flat.itemsize, flat[bounds[r] : bounds[r + 1]])
+            self._wait(call, self._publish(note), healthy, lambda theirs: False)
         except BaseException:
-            # Others may still read this rank's array, which its caller may now change or free.
-            self._segment.abandon(count)
+            if not self._segment.all_arrived(last):
+                # Others may still read this rank's array, which its caller may now change or free,
+                # and a later call of this rank may publish the arrival they wait for.
+                self._segment.abandon(last)
             raise
-        self._raise_if_abandoned(p2p, count)
+        self._raise_if_abandoned(p2p, last, note)
 
-    def _raise_if_abandoned(self, p2p: PointToPoint, count: int) -> None:
-        """Raises PeerFailureError if a rank gave up the call of arrival ``count`` (:meth:`~.host_segment.
-        HostSegment.abandon`): its array may have changed while this rank read it. Looked at once this
-        rank's reads are done: a rank that gives up later changes its array only after saying so."""
-        for r in range(self._segment.ranks):
-            if r != self._segment.rank and self._segment.abandoned(r) >= count:
+    def _raise_if_abandoned(self, p2p: PointToPoint, count: int, note: bytes) -> None:
+        """Raises PeerFailureError if a rank gave up the call whose last arrival is ``count``
+        (:meth:`~.host_segment.HostSegment.abandon`), or published that arrival for another call: its
+        array may have changed while this rank read it. Looked at once this rank's reads are done: a
+        rank that gives up later changes its array only after saying so."""
+        segment = self._segment
+        moved_on = segment.not_noted(count, note)
+        for r in range(segment.ranks):
+            if r != segment.rank and (segment.abandoned(r) >= count or r in moved_on):
                 raise PeerFailureError(
                     f"rank {p2p.rank}: {p2p.describe_peer(r)} gave up the all-reduce while this rank read "
                     "its array; the result is not used",

@@ -547,3 +547,45 @@ def test_a_pid_that_names_another_process_here_is_found_out(monkeypatch):
         assert not any(c._host_segment.single_copy for c in cluster.communicators)
         results = cluster.run(lambda c: c.allreduce(np.full(5000, c.rank + 1.0, np.float32)))
     assert all(r.tolist() == [6.0] * 5000 for r in results)
+
+
+def test_a_rank_that_gives_up_before_its_last_arrival_and_calls_again_fails_the_others_call():
+    # Rank 1 gives up after its second arrival (not a failure that aborts), changes its array and
+    # calls again: that call's first arrival is the one rank 0 waits for last in the first call.
+    reducing, resumed = threading.Event(), threading.Event()
+    with ThreadCluster(2, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        segments = [c._host_segment for c in cluster.communicators]
+        second_arrival = segments[1]._count + 2
+        real_wait, real_reduce_part = segments[1]._wait, segments[0]._reduce_part
+
+        def wait(call, count, *args):
+            if count == second_arrival:
+                raise RuntimeError("gave up")
+            return real_wait(call, count, *args)
+
+        def reduce_part(*args):  # rank 0 reads rank 1's array only once rank 1 has moved on
+            reducing.set()
+            resumed.wait(10)
+            real_reduce_part(*args)
+
+        segments[1]._wait, segments[0]._reduce_part = wait, reduce_part
+        # Rank 1's second call finds rank 0 in its first and aborts: that message comes too late here.
+        cluster.communicators[1].p2p.send_abort = lambda *args: None
+
+        def program(c):
+            mine = np.ones(5000, np.float32)
+            if c.rank == 0:
+                return c.allreduce(mine, out=mine)
+            try:
+                c.allreduce(mine, out=mine)
+            except RuntimeError:
+                reducing.wait(10)  # rank 0 is past its first arrival's checks
+                mine[:] = 1000.0
+                resumed.set()
+            return c.allreduce(mine, out=mine)
+
+        outcomes = cluster.run_outcomes(program, timeout=30)
+    # Rank 0 fails instead of returning what it read from rank 1's changed array.
+    assert isinstance(outcomes[0], PeerFailureError) and outcomes[0].peer_rank == 1, outcomes[0]
+    assert "gave up the all-reduce" in str(outcomes[0])
