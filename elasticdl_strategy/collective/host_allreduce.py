@@ -221,11 +221,11 @@ class HostAllreduce:
         if self._closed:
             raise _closed(call.p2p.rank)
         segment = self._segment
-        if not self.takes(flat.nbytes):
+        in_place = flat.nbytes > segment.slot_bytes
+        if in_place and self._pids is None:  # not one the segment takes
             raise ValueError(f"an all-reduce of {flat.nbytes} bytes does not go through this segment")
         self._calls += 1
         parity = self._calls % 2
-        in_place = flat.nbytes > segment.slot_bytes
         if in_place:
             self._addresses[parity][segment.rank][0] = flat.ctypes.data
         else:

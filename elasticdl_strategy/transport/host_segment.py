@@ -16,9 +16,9 @@ Layout (a page for the header, then a block per rank, then the slots)::
     slots:    after the blocks, page-aligned: rank r's slot of parity p is slot number 2r + p
 
 Only rank r writes its block's arrivals, sleeping flag, notes and abandoned count; the others write
-its doorbell. The *abandoned* count is the arrival count of a call the rank gave up after publishing
-it (:meth:`HostSegment.abandon`): ranks that read its memory during that call learn that what they
-read may have changed under them.
+its doorbell. The *abandoned* count is the last arrival count of a call the rank gave up before every
+rank reached it (:meth:`HostSegment.abandon`): ranks that read its memory during that call learn that
+what they read may have changed under them.
 A *note* is a few bytes a rank publishes with its slot (the caller's description of what it
 put there, compared by the readers). Slots and notes come in two parities, so a rank can fill
 the next call's slot while slower ranks still read the last one. The *current* note says what
@@ -244,8 +244,8 @@ class HostSegment:
         return self._arrivals[rank][0]
 
     def abandon(self, count: int) -> None:
-        """Says that this rank gave up the call whose arrival ``count`` it published: it no longer
-        keeps what the others read during that call (its array) as it was."""
+        """Says that this rank gave up the call whose last arrival is ``count`` (published or not): it
+        no longer keeps what the others read during that call (its array) as it was."""
         self._abandoned[self.rank][0] = count
         memory_barrier()
 

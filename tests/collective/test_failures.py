@@ -10,7 +10,7 @@ from elasticdl_strategy.errors import PeerFailureError
 from elasticdl_strategy.transport import life_marks
 from tests.cluster import ThreadCluster
 from tests.launch import TRANSPORTS, read_reports, run_job, transport_env, worker_script
-from tests.transport.test_cross_memory import cross_memory_allowed
+from tests.memory_holder import cross_memory_allowed
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 
 from elasticdl_strategy.collective import cost_model
 from tests.launch import run_job, transport_env, worker_script
-from tests.transport.test_cross_memory import cross_memory_allowed
+from tests.memory_holder import cross_memory_allowed
 
 pytestmark = pytest.mark.slow
 

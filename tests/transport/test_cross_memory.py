@@ -2,63 +2,29 @@
 
 import errno
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from elasticdl_strategy.transport import cross_memory
-
-# A process that holds a known array, says where it lies, and waits for a line on its input.
-HOLDER = (
-    "import numpy as np, os, sys; a = np.arange(300000, dtype=np.float32); "
-    "print(os.getpid(), a.ctypes.data, flush=True); sys.stdin.readline()"
-)
-
-
-def _holder():
-    process = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    pid, address = (int(word) for word in process.stdout.readline().split())
-    return process, pid, address
-
-
-def cross_memory_allowed() -> bool:
-    """Whether this machine lets a process read another of its user's (a policy may forbid it)."""
-    if not cross_memory.AVAILABLE:
-        return False
-    process, pid, address = _holder()
-    try:
-        into = np.empty(4, np.float32)
-        cross_memory.read(pid, address, into)
-        return into.tolist() == [0.0, 1.0, 2.0, 3.0]
-    except OSError:
-        return False
-    finally:
-        process.kill()
-        process.wait()
+from tests.memory_holder import cross_memory_allowed, holder
 
 
 def test_reads_another_processs_array_where_it_lies():
     if not cross_memory_allowed():
         pytest.skip("this machine does not let a process read another's memory")
-    process, pid, address = _holder()
-    try:
+    with holder() as (pid, address):
         into = np.zeros(250000, np.float32)  # not from the start, not the whole array: an offset and a length
         cross_memory.read(pid, address + 4 * 1000, into)
         np.testing.assert_array_equal(into, np.arange(1000, 251000, dtype=np.float32))
         cross_memory.read(pid, address, into[:0])  # nothing to read: no call
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_a_process_that_is_gone_or_an_unmapped_address_raise_oserror():
     if not cross_memory.AVAILABLE:
         pytest.skip("no process_vm_readv here")
-    process, pid, address = _holder()
-    process.kill()
-    process.wait()
+    with holder() as (pid, address):
+        pass  # gone from here on
     with pytest.raises(OSError) as gone:
         cross_memory.read(pid, address, np.empty(4, np.float32))
     assert gone.value.errno in (errno.ESRCH, errno.EPERM)
@@ -71,15 +37,11 @@ def test_a_read_larger_than_one_call_takes_several(monkeypatch):
     if not cross_memory_allowed():
         pytest.skip("this machine does not let a process read another's memory")
     monkeypatch.setattr(cross_memory, "MAX_CALL_BYTES", 4096)  # the kernel's limit is 2 GiB a call
-    process, pid, address = _holder()
-    try:
+    with holder() as (pid, address):
         into = np.zeros(250001, np.float32)  # 245 calls, the last one short
         cross_memory.read(pid, address + 4 * 1000, into[:250000])
         np.testing.assert_array_equal(into[:250000], np.arange(1000, 251000, dtype=np.float32))
         assert into[250000] == 0.0
-    finally:
-        process.kill()
-        process.wait()
 
 
 @pytest.mark.slow
