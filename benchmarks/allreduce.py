@@ -5,6 +5,7 @@ Usage::
 
     python benchmarks/allreduce.py [--sizes 4KiB,256KiB,4MiB,64MiB,256MiB] [--workers 2,4] [--repeats 20]
                                    [--frameworks shm,lanes,socket,grpc,gloo,tf,mpi,mpi-tcp] [--json out.json]
+                                   [--compute-ms 10]
                                    [--profile PREFIX [--profile-size 64MiB] [--profile-workers 2]]
                                    [--mpi-python /usr/bin/python3]
 
@@ -64,15 +65,16 @@ Method: for every framework and worker count N, this script starts N local worke
 processes running itself in ``--worker FRAMEWORK`` mode (for MPI through ``mpirun``). Each
 worker goes through the sizes in order; per size it fills a float32 buffer with ones, runs ``--warmup`` untimed
 all-reduces, then ``--repeats`` timed ones (fewer for 64 MiB and up, see
-:func:`repeats_for`). Before each timed call the buffer is refilled and all ranks meet
-in a barrier; only the all-reduce itself is timed with ``time.perf_counter`` (for TF
-this includes fetching the local result with ``.numpy()``, so the call has finished).
+:func:`repeats_for`). Before each timed call the buffer is refilled, every rank computes
+(spins) for ``--compute-ms`` if given, as a training step does between its all-reduces (the
+links stay idle that long), and all ranks meet in a barrier; only the all-reduce itself is timed
+with ``time.perf_counter`` (for TF this includes fetching the local result with ``.numpy()``, so the call has finished).
 The last result is checked to equal N everywhere sampled. Rank 0 writes the per-size
 lists of seconds to a JSON file that the parent reads back. A run (framework, N) is
 stopped after ``--timeout`` seconds, and as soon as one size takes longer than
 ``--cell-timeout``; the cell then shows the error and the other runs go on.
 
-Reported per cell: median and min time, algbw = bytes / median and
+Reported per cell: median, min and 90th-percentile time, algbw = bytes / median and
 busbw = algbw * 2(N-1)/N (the bytes each rank moves in a ring all-reduce, as in
 nccl-tests). The ratio lines are other_median / ours_median for each of our paths:
 above 1 means ours is faster.
@@ -506,8 +508,9 @@ class MemoryProbe:
         return maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere
 
 
-def measure(backend: Backend, count: int, repeats: int, warmup: int) -> List[float]:
-    """Seconds of ``repeats`` all-reduces of ``count`` float32 after ``warmup`` untimed ones."""
+def measure(backend: Backend, count: int, repeats: int, warmup: int, compute_s: float = 0.0) -> List[float]:
+    """Seconds of ``repeats`` all-reduces of ``count`` float32 after ``warmup`` untimed ones, each
+    after ``compute_s`` seconds of spinning (a step's computation) and a barrier."""
     backend.prepare(count)
     for _ in range(warmup):
         backend.refill()
@@ -515,6 +518,9 @@ def measure(backend: Backend, count: int, repeats: int, warmup: int) -> List[flo
     seconds = []
     for _ in range(repeats):
         backend.refill()
+        computed = time.perf_counter() + compute_s
+        while time.perf_counter() < computed:
+            pass
         backend.barrier()
         start = time.perf_counter()
         backend.allreduce()
@@ -527,7 +533,13 @@ def measure(backend: Backend, count: int, repeats: int, warmup: int) -> List[flo
 
 
 def worker_main(
-    framework: str, sizes: Sequence[int], repeats: int, warmup: int, results: Path, fixed_repeats: bool = False
+    framework: str,
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int,
+    results: Path,
+    fixed_repeats: bool = False,
+    compute_s: float = 0.0,
 ) -> int:
     """Runs every size; rank 0 rewrites ``results`` before and after each one (a crash keeps earlier sizes;
     ``current`` tells the parent which size is running)."""
@@ -545,7 +557,7 @@ def worker_main(
         rss_before = probe.start()
         try:
             count = repeats if fixed_repeats else repeats_for(nbytes, repeats)
-            report["seconds"][key] = measure(backend, nbytes // 4, count, warmup)
+            report["seconds"][key] = measure(backend, nbytes // 4, count, warmup, compute_s)
             problem = backend.check_transport(nbytes)
             if problem:
                 report["errors"][key] = problem
@@ -584,6 +596,10 @@ class Cell:
     @property
     def median(self) -> float:
         return statistics.median(self.seconds)
+
+    @property
+    def p90(self) -> float:
+        return float(np.percentile(self.seconds, 90))
 
     @property
     def algbw(self) -> float:
@@ -743,7 +759,7 @@ def run_one(
         results, log = Path(tmp) / "results.json", Path(tmp) / "output.log"
         worker_args = [
             "--sizes", ",".join(map(str, sizes)), "--repeats", str(args.repeats),
-            "--warmup", str(args.warmup), "--results", str(results),
+            "--warmup", str(args.warmup), "--results", str(results), "--compute-ms", str(args.compute_ms),
         ]  # fmt: skip
         if profile_prefix:
             worker_args[3] = str(args.profile_repeats)
@@ -889,7 +905,9 @@ def method_line(args: argparse.Namespace) -> str:
     large = max(5, args.repeats // 4)
     return (
         f"Method: median over {args.repeats} repeats ({large} for sizes >= {format_size(LARGE_BYTES)}) "
-        f"after {args.warmup} warmups, barrier before each timed call, float32 sum, in-place "
+        f"after {args.warmup} warmups, "
+        + (f"{args.compute_ms:g} ms of computation (spinning) and " if args.compute_ms else "")
+        + "a barrier before each timed call, float32 sum, in-place "
         f"(TF: out-of-place), local processes; machine: {os.cpu_count()} CPU cores (os.cpu_count()). "
         "Memory: rank 0's peak resident set during each size (VmHWM reset per size)."
         + (f" MPI: {args.mpi.describe()}." if args.mpi else "")
@@ -903,9 +921,9 @@ def _ratio(value: float) -> str:
 
 def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], sizes: Sequence[int]) -> None:
     print(f"\nN = {workers} workers")
-    columns = ("median ms", "min ms", "algbw GB/s", "busbw GB/s", "peak MiB", "peak/T")
+    columns = ("median ms", "min ms", "p90 ms", "algbw GB/s", "busbw GB/s", "peak MiB", "peak/T")
     print(f"{'size':>8} | {'framework':<9} | " + " | ".join(f"{c:>9}" for c in columns))
-    print("-" * 101)
+    print("-" * 113)
     by_key = {(c.framework, c.nbytes): c for c in cells}
     for nbytes in sizes:
         for fw in frameworks:
@@ -920,7 +938,8 @@ def print_table(workers: int, cells: Sequence[Cell], frameworks: Sequence[str], 
                 memory = f"{c.peak_mib:9.0f} | " + (f"{ratio:8.2f}×" if ratio < 1000 else f"{'>1000':>8}×")
             print(
                 head
-                + f"{c.median * 1e3:9.3f} | {min(c.seconds) * 1e3:9.3f} | {c.algbw:10.3f} | {c.busbw:10.3f} | "
+                + f"{c.median * 1e3:9.3f} | {min(c.seconds) * 1e3:9.3f} | {c.p90 * 1e3:9.3f} | "
+                + f"{c.algbw:10.3f} | {c.busbw:10.3f} | "
                 + memory
             )
     if any(c.memory_source == "ru_maxrss" for c in cells):
@@ -950,6 +969,7 @@ def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> No
         "cpu_count": os.cpu_count(),
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "compute_ms": args.compute_ms,
         "results": [
             {
                 "framework": c.framework,
@@ -958,6 +978,7 @@ def write_json(path: str, args: argparse.Namespace, cells: Sequence[Cell]) -> No
                 "seconds": c.seconds,
                 "error": c.error,
                 "median_s": None if c.error else c.median,
+                "p90_s": None if c.error else c.p90,
                 "algbw_GBps": None if c.error else c.algbw,
                 "busbw_GBps": None if c.error else c.busbw,
                 "rss_before_MiB": c.rss_before_mib,
@@ -1002,6 +1023,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20, help="timed calls per size (default 20; fewer from 64 MiB)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per size (default 3)")
     p.add_argument(
+        "--compute-ms", type=float, default=0.0, help="spin this long before each timed call's barrier (default 0)"
+    )
+    p.add_argument(
         "--frameworks", type=_framework_list, default=list(FRAMEWORKS), help=f"default {','.join(FRAMEWORKS)}"
     )
     p.add_argument("--json", metavar="PATH", help="write all raw numbers to PATH")
@@ -1035,6 +1059,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.mpi = None  # the MpiSetup, found by available_frameworks
     if args.repeats < 1 or args.warmup < 0 or args.profile_repeats < 1 or args.profile_workers < 1:
         p.error("--repeats, --profile-repeats and --profile-workers must be >= 1 and --warmup >= 0")
+    if not 0 <= args.compute_ms <= 60_000:
+        p.error(f"--compute-ms must be between 0 and 60000, not {args.compute_ms:g}")
     if args.timeout <= 0 or args.cell_timeout <= 0:
         p.error("--timeout and --cell-timeout must be positive")
     return args
@@ -1043,7 +1069,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args.worker, args.sizes, args.repeats, args.warmup, args.results, args.fixed_repeats)
+        return worker_main(
+            args.worker, args.sizes, args.repeats, args.warmup, args.results, args.fixed_repeats, args.compute_ms / 1e3
+        )
     sigterm_interrupts()
     frameworks = available_frameworks(args.frameworks, args)
     print(method_line(args))

@@ -51,6 +51,9 @@ COLLECTIVE_CHANNEL = 1
 SWEEP_S = 0.5
 # A receive from a peer without a lane looks this often whether one appeared (its stream opened).
 _NO_LANE_SLICE_S = 0.02
+# A receive that found another thread reading its peer's data socket looks again after this long,
+# then twice as long each time, up to _NO_LANE_SLICE_S (see _wait_without_lane).
+_REFUSED_FIRST_RETRY_S = 100e-6
 # A lane takes a message in one record up to a quarter of it, header included: about this much is headers.
 _LANE_HEADER_ALLOWANCE = 1024
 _DONE: futures.Future = futures.Future()  # the future of every send that completed in the caller
@@ -522,6 +525,7 @@ class PointToPoint:
         now = time.monotonic()
         deadline, spin_until, sweep_at = now + timeout, now + spin_s, now + SWEEP_S
         rings_on_completion = wakes_socket_reader = False
+        retry_s = _REFUSED_FIRST_RETRY_S
         while not future.done():
             now = time.monotonic()
             if now >= deadline:
@@ -535,7 +539,7 @@ class PointToPoint:
                 if not wakes_socket_reader:  # once: a peer with a lane never needs it
                     future.add_done_callback(functools.partial(self._wake_socket_reader, src))
                     wakes_socket_reader = True
-                self._wait_without_lane(src, future, min(deadline, sweep_at))
+                retry_s = self._wait_without_lane(src, future, min(deadline, sweep_at), retry_s)
                 continue
             seen = lane.doorbell
             inbound.read_lane()  # type: ignore[union-attr]
@@ -552,21 +556,31 @@ class PointToPoint:
             lane.wait(seen, max(0.0, min(deadline, sweep_at) - now))
         return future.result(0)
 
-    def _wait_without_lane(self, src: int, future: futures.Future, until: float) -> None:
+    def _wait_without_lane(self, src: int, future: futures.Future, until: float, retry_s: float) -> float:
         """Waits for ``future`` up to ``until`` (``time.monotonic()``) at most, reading ``src``'s data
-        socket in this thread if it has one that no other thread reads, else on the future in short
-        slices (a stream that opens meanwhile brings a lane or a socket its messages may come by).
-        ``future`` must wake the socket's reader when done (:meth:`_wake_socket_reader`)."""
+        socket in this thread if it has one that no other thread reads, else on the future for
+        ``retry_s`` (a stream that opens meanwhile brings a lane or a socket its messages may come
+        by). Returns how long to wait on the future the next time the socket is not this thread's.
+        ``future`` must wake the socket's reader when done (:meth:`_wake_socket_reader`).
+
+        The socket may be refused for a moment only: the stream's thread holds it while it looks
+        for something to read, and when it finds nothing it leaves the socket to waiting threads
+        (:data:`~.inbound._READERS_GRACE_S`) and watches only for their news. A message that comes
+        then is read by nobody until this thread looks again, so it looks again soon, and less
+        often the longer another thread reads (a thread of the caller's waiting for its own message).
+        """
         inbound = self._sockets.get(src)
         socket = inbound.socket if inbound is not None else None
         waiting = lambda: not future.done()  # noqa: E731
         spin_s, spin_yield = self.options.spin_us * 1e-6, self.options.spin_yield
         if socket is not None and socket.read_while(inbound, waiting, until, spin_s, spin_yield):  # type: ignore[arg-type]
-            return
+            return _REFUSED_FIRST_RETRY_S
+        slice_s = retry_s if socket is not None else _NO_LANE_SLICE_S
         try:
-            future.result(max(0.0, min(until - time.monotonic(), _NO_LANE_SLICE_S)))
+            future.result(max(0.0, min(until - time.monotonic(), slice_s)))
         except futures.TimeoutError:
             pass
+        return min(2 * retry_s, _NO_LANE_SLICE_S)
 
     def sweep_lanes(self) -> None:
         for inbound in list(self._lanes.values()):

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from elasticdl_strategy.collective import p2p as p2p_module
 from elasticdl_strategy.collective.mailbox import Mailbox, ReduceSink
 from elasticdl_strategy.collective.p2p import PointToPoint, _AwaitedOnSocket, _DirectReceive, _InboundStream
 from elasticdl_strategy.collective.ring import CollectiveCall
@@ -22,7 +23,7 @@ from elasticdl_strategy.transport import lanes
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.byte_paths import DataSocketPath
 from elasticdl_strategy.transport.data_socket import FrameSocket
-from elasticdl_strategy.transport.inbound import WAITING_THREAD_READS_AT_MOST
+from elasticdl_strategy.transport.inbound import WAITING_THREAD_READS_AT_MOST, SocketFrames
 from elasticdl_strategy.transport.options import TransportOptions
 from elasticdl_strategy.transport.protos import peer_pb2
 from elasticdl_strategy.transport.worker_server import WorkerServer
@@ -489,6 +490,63 @@ def test_over_a_data_socket_the_sender_writes_and_the_waiting_receiver_reads_in_
         receiving.join(timeout=10)
     np.testing.assert_array_equal(received["array"], np.arange(1000.0))
     assert writers == [threading.current_thread().name] and readers == ["receiving"]
+
+
+def test_a_receive_that_finds_the_socket_taken_for_a_moment_reads_it_itself_soon_after(socket_pair, monkeypatch):
+    # The stream's thread holds the socket for a moment (it looked for something to read) just as a
+    # receive wants it, then leaves it to waiting threads and watches only for their news (the readers'
+    # grace, held here until the test ends). The message that comes next is read by nobody until the
+    # receive looks again: soon, not after a slice of its wait (made a minute here, as the sweep).
+    _, a, b = socket_pair
+    frames = b._sockets[0].socket
+    monkeypatch.setattr(p2p_module, "_NO_LANE_SLICE_S", 60.0)
+    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
+    in_grace, done = threading.Event(), threading.Event()
+    wait_for_something = SocketFrames._wait_for_something
+
+    def watching_only_for_news(self):
+        if done.is_set():
+            return wait_for_something(self)
+        in_grace.set()
+        self._socket.wait_until_woken(60.0, self._wake_server)
+        return False
+
+    refusals = []
+    read_while = SocketFrames.read_while
+
+    def recorded_read_while(self, *args, **kwargs):
+        read = read_while(self, *args, **kwargs)
+        if not read:
+            refusals.append(threading.current_thread().name)
+        return read
+
+    monkeypatch.setattr(SocketFrames, "_wait_for_something", watching_only_for_news)
+    monkeypatch.setattr(SocketFrames, "read_while", recorded_read_while)
+    frames._wake(server=True)  # out of the wait it is in, into the one above
+    wait_for(in_grace.is_set, "the stream's thread watching only for news")
+    outcome = {}
+
+    def receive():
+        try:
+            outcome["array"] = b.recv(0, tag=7, timeout=5)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = e
+
+    receiving = threading.Thread(target=receive, name="receiving", daemon=True)
+    frames._reading.acquire()  # as the stream's thread does while it looks
+    try:
+        receiving.start()
+        wait_for(lambda: len(refusals) >= 2, "the receive's direct take and its posted wait refused the socket")
+    finally:
+        frames._reading.release()
+    try:
+        a.send(np.arange(10.0), dst=1, tag=7)
+        receiving.join(timeout=10)
+    finally:
+        done.set()
+        frames._wake(server=True)
+    assert "error" not in outcome, f"the receive failed: {outcome.get('error')!r}"
+    np.testing.assert_array_equal(outcome["array"], np.arange(10.0))
 
 
 def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when_the_sender_is_declared_failed(
