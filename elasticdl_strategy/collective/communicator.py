@@ -193,6 +193,69 @@ class Communicator:
             np.divide(result, self.size, out=result, casting="unsafe")
         return result
 
+    def allreduce_pieces(
+        self,
+        pieces: Sequence[np.ndarray],
+        offsets: Sequence[int],
+        out: np.ndarray,
+        op: str = "sum",
+        timeout: Optional[float] = None,
+    ) -> np.ndarray:
+        """All-reduces arrays laid out in one flat array: ``out[offsets[i] : offsets[i] + pieces[i].size]``
+        becomes ``pieces[i]`` reduced over all ranks. The same as copying the pieces into ``out``
+        and :meth:`allreduce` of ``out`` in place, but where that all-reduce would read the ranks'
+        arrays where they lie (one host, ``single_copy``, larger than the host segment's slots:
+        :meth:`reads_pieces`), the ranks read each other's pieces where they lie instead, and the
+        pieces are never copied into ``out``. Elements of ``out`` that no piece covers end up
+        unspecified (0 or what the copy left). Every rank passes the same layout.
+
+        Args:
+            pieces: C-contiguous arrays of ``out``'s dtype, any shape (read as 1-D).
+            offsets: where each piece starts in ``out``, in elements: increasing, the pieces within
+                ``out`` and not overlapping.
+            out: a 1-D C-contiguous array.
+            op, timeout: as for :meth:`allreduce`.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            UsageError: pieces that do not fit ``out`` as described.
+            as :meth:`allreduce` otherwise.
+
+        Example (two ranks; a model's gradients fused into one buffer without packing them)::
+
+            grads = [np.ones((4, 3), np.float32), np.ones(3, np.float32)]
+            flat = np.empty(16, np.float32)
+            communicator.allreduce_pieces(grads, [0, 12], flat)  # flat[:12] and flat[12:15] hold 2.0
+        """
+        flats = _pieces_of(pieces, offsets, out)
+        ufunc = check_reduce_op(op, out.dtype)
+        if not self.reads_pieces(out.nbytes, len(flats)):
+            for piece, offset in zip(flats, offsets, strict=True):
+                out[offset : offset + piece.size] = piece
+            return self.allreduce(out, op=op, out=out, timeout=timeout)
+        segment = self._host_segment
+        assert segment is not None
+        call = self._begin("allreduce_pieces", out.dtype, out.shape, reduce_op=op, timeout=timeout, announce=False)
+        with self._running(call):
+            note = call.descriptor.SerializeToString()
+            differing = segment.allreduce_pieces(
+                call, flats, offsets, out, ufunc, note, self._raise_if_aborted, _elsewhere
+            )
+            for src, theirs in differing.items():
+                self._check(call.descriptor, src, peer_pb2.CollectiveDescriptor.FromString(theirs))
+            self._raise_if_aborted()
+        if op == "mean":
+            np.divide(out, self.size, out=out, casting="unsafe")
+        return out
+
+    def reads_pieces(self, nbytes: int, count: int) -> bool:
+        """Whether :meth:`allreduce_pieces` of ``count`` pieces into ``nbytes`` reads them where they lie
+        (without copying them into ``out`` first): the same on every rank."""
+        segment = self._host_segment
+        return self.size > 1 and segment is not None and segment.takes_pieces(nbytes, count)
+
     def _host_segment_takes(self, nbytes: int) -> bool:
         """Whether a collective reducing ``nbytes`` may go through the host segment: by the size of
         its slots, which the ranks agreed on, or, before they have, whatever the size (the first
@@ -627,6 +690,31 @@ class Communicator:
         self.p2p.close(timeout, abort=self._abort_request)
         if self._host_segment is not None:
             self._host_segment.close()
+
+
+def _pieces_of(pieces: Sequence[np.ndarray], offsets: Sequence[int], out: np.ndarray) -> List[np.ndarray]:
+    """The pieces as 1-D arrays, checked to fit ``out`` (see :meth:`Communicator.allreduce_pieces`).
+
+    Raises:
+        UsageError: they do not.
+    """
+    if not isinstance(out, np.ndarray) or out.ndim != 1 or not out.flags.c_contiguous or not out.dtype.isnative:
+        raise UsageError("out must be a 1-D C-contiguous numpy array in the machine's byte order")
+    as_supported_array(out[:0])  # raises UsageError for a dtype no collective supports
+    if len(pieces) != len(offsets):
+        raise UsageError(f"{len(pieces)} pieces but {len(offsets)} offsets")
+    flats, end = [], 0
+    for i, (piece, offset) in enumerate(zip(pieces, offsets)):
+        if not isinstance(piece, np.ndarray) or piece.dtype != out.dtype or not piece.flags.c_contiguous:
+            raise UsageError(f"piece {i} must be a C-contiguous array of out's dtype {out.dtype}")
+        if not end <= offset <= out.size - piece.size:
+            raise UsageError(
+                f"piece {i} ({piece.size} elements at {offset}) overlaps the one before it or ends beyond out "
+                f"({out.size} elements)"
+            )
+        flats.append(piece.reshape(-1))
+        end = offset + piece.size
+    return flats
 
 
 def _elsewhere(mine: bytes, theirs: bytes) -> bool:

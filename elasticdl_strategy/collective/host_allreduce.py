@@ -50,7 +50,7 @@ import os
 import secrets
 import struct
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -77,6 +77,12 @@ LARGE_SEGMENT_BYTES = 128 << 20  # the most that large slots take: 2 * N of them
 # A rank reducing its part reads the others' arrays in pieces of this size, each reduced while it
 # is still in the core's cache.
 READ_CHUNK_BYTES = 512 << 10
+# Rank r's values of elements [a, b) of an all-reduce read in place: term(r, a, b, into) returns
+# them, in ``into`` (b - a elements of scratch) or in a view of this rank's own memory.
+Term = Callable[[int, int, int, np.ndarray], np.ndarray]
+# In a slot, the table of an all-reduce of pieces: where the result lies, how many pieces, then
+# (element offset, address, elements) for each (see HostAllreduce.allreduce_pieces).
+_TABLE_HEADER_WORDS, _PIECE_WORDS = 2, 3
 
 
 def possible(all_on_one_host: bool) -> bool:
@@ -129,6 +135,12 @@ class HostAllreduce:
         self._slots: Dict[tuple, Tuple[np.ndarray, ...]] = {}
         # By parity and rank: the word at the start of the slot where a rank publishes where its array lies.
         self._addresses = [[segment.slot(r, p, 8).cast("Q") for r in range(segment.ranks)] for p in (0, 1)]
+        # By parity and rank: the slot as words, where an all-reduce of pieces publishes its table.
+        self._tables = [
+            [np.frombuffer(segment.slot(r, p, segment.slot_bytes), np.uint64) for r in range(segment.ranks)]
+            for p in (0, 1)
+        ]
+        self._max_pieces = (segment.slot_bytes // 8 - _TABLE_HEADER_WORDS) // _PIECE_WORDS
         self._scratch: Optional[np.ndarray] = None
         self._closed = False
 
@@ -145,6 +157,12 @@ class HostAllreduce:
         """Whether an all-reduce of ``nbytes`` goes through the segment: one that fits a slot, or any
         where the ranks read each other's arrays (:attr:`single_copy`). The same on every rank."""
         return nbytes <= self._segment.slot_bytes or self._pids is not None
+
+    def takes_pieces(self, nbytes: int, count: int) -> bool:
+        """Whether an all-reduce of ``count`` pieces into an array of ``nbytes`` goes through the segment
+        read where the pieces lie (:meth:`allreduce_pieces`): one larger than a slot, among ranks that
+        read each other's memory, whose table of pieces fits a slot. The same on every rank."""
+        return self._pids is not None and nbytes > self._segment.slot_bytes and count <= self._max_pieces
 
     @classmethod
     def agree(
@@ -240,12 +258,72 @@ class HostAllreduce:
         if differing:
             return {r: segment.note(r, count) for r in differing}
         if in_place:
-            self._reduce_in_place(call, flat, ufunc, parity, note, healthy)
+            term = self._array_term(call.p2p, flat, self._addresses_of(parity))
+            self._reduce_in_place(call, flat, ufunc, parity, note, healthy, term)
         elif splits(flat.nbytes, segment.ranks):
             self._reduce_split(call, flat, ufunc, slots, note, healthy)
         else:
             self._reduce(flat, ufunc, slots, slice(None))
         return {}
+
+    def allreduce_pieces(
+        self,
+        call: CollectiveCall,
+        pieces: Sequence[np.ndarray],
+        offsets: Sequence[int],
+        flat: np.ndarray,
+        ufunc: Callable,
+        note: bytes,
+        healthy: Callable[[], None],
+        differs: Callable[[bytes, bytes], bool],
+    ) -> Dict[int, bytes]:
+        """All-reduces into the 1-D ``flat`` the array that ``pieces`` (1-D, ``flat``'s dtype) packed at
+        element ``offsets`` would make, 0 between them, without packing them (a size and a number of
+        pieces the segment :meth:`takes_pieces`): as the in-place all-reduce of :meth:`allreduce`,
+        but each rank publishes a table of where its pieces lie instead of where its array does,
+        and the others read each piece where it lies. Returns and raises as :meth:`allreduce`."""
+        if self._closed:
+            raise _closed(call.p2p.rank)
+        segment = self._segment
+        if not self.takes_pieces(flat.nbytes, len(pieces)):
+            raise ValueError(
+                f"an all-reduce of {len(pieces)} pieces into {flat.nbytes} bytes does not go through this segment"
+            )
+        self._calls += 1
+        parity = self._calls % 2
+        mine = Pieces(pieces, offsets)
+        self._publish_table(parity, flat, mine)
+        count = self._publish(note)
+        if not segment.all_arrived(count):
+            elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
+            if elsewhere:
+                return elsewhere
+        differing = segment.not_noted(count, note)
+        if differing:
+            return {r: segment.note(r, count) for r in differing}
+        tables = [self._table_of(r, parity, flat.itemsize) for r in range(segment.ranks)]
+        self._reduce_in_place(call, flat, ufunc, parity, note, healthy, self._pieces_term(call.p2p, mine, tables))
+        return {}
+
+    def _publish_table(self, parity: int, flat: np.ndarray, mine: "Pieces") -> None:
+        """Writes where ``flat`` and this rank's pieces lie into its slot of ``parity`` (published with
+        its next arrival; read by the others before any rank can reach the next call of this parity)."""
+        words = self._tables[parity][self._segment.rank]
+        count = len(mine.offsets)
+        rows = words[_TABLE_HEADER_WORDS : _TABLE_HEADER_WORDS + _PIECE_WORDS * count].reshape(count, _PIECE_WORDS)
+        rows[:, 0], rows[:, 1], rows[:, 2] = mine.offsets, mine.addresses, mine.sizes
+        words[1] = count
+        words[0] = flat.ctypes.data
+
+    def _table_of(self, rank: int, parity: int, itemsize: int) -> Optional["PieceTable"]:
+        """The table ``rank`` published in its slot of ``parity`` (None for this rank's own)."""
+        if rank == self._segment.rank:
+            return None
+        words = self._tables[parity][rank]
+        count = min(int(words[1]), self._max_pieces)
+        rows = words[_TABLE_HEADER_WORDS : _TABLE_HEADER_WORDS + _PIECE_WORDS * count].reshape(count, _PIECE_WORDS)
+        rows = rows.astype(np.int64)  # a copy: the slot is written again two calls later
+        return PieceTable(rows[:, 0], rows[:, 1], rows[:, 2], itemsize)
 
     def _publish(self, note: bytes) -> int:
         """Publishes this rank's next arrival (its slot and ``note``); returns its count."""
@@ -287,18 +365,25 @@ class HostAllreduce:
                 flat[theirs] = slots[r][theirs]
 
     def _reduce_in_place(
-        self, call: CollectiveCall, flat: np.ndarray, ufunc: Callable, parity: int, note: bytes, healthy: Callable
+        self,
+        call: CollectiveCall,
+        flat: np.ndarray,
+        ufunc: Callable,
+        parity: int,
+        note: bytes,
+        healthy: Callable,
+        term: "Term",
     ) -> None:
-        """Each rank reduces its own part (:func:`parts`) of every rank's array, read where it lies,
-        into its own array; once every rank has, each reads the others' parts of theirs into its
-        own; once every rank has done that, no array is read any more and each may return. The
-        same operations in the same order as :meth:`_reduce`: the same bits."""
+        """Each rank reduces its own part (:func:`parts`) of every rank's values (``term``: read where
+        they lie) into its own array ``flat``; once every rank has, each reads the others' parts of
+        theirs into its own; once every rank has done that, nothing is read any more and each may
+        return. The same operations in the same order as :meth:`_reduce`: the same bits."""
         p2p, rank, ranks = call.p2p, self._segment.rank, self._segment.ranks
         bounds = parts(flat.size, ranks)
-        addresses = [words[0] for words in self._addresses[parity]]
+        addresses = self._addresses_of(parity)
         last = self._count + 2  # this call's third arrival
         try:
-            self._reduce_part(p2p, flat, ufunc, addresses, bounds[rank], bounds[rank + 1])
+            self._reduce_part(flat, ufunc, term, bounds[rank], bounds[rank + 1])
             self._wait(call, self._publish(note), healthy, lambda theirs: False)  # all agreed on this call already
             for r in range(ranks):
                 if r != rank:
@@ -328,14 +413,11 @@ class HostAllreduce:
                     rank=p2p.rank,
                 )
 
-    def _reduce_part(
-        self, p2p: PointToPoint, flat: np.ndarray, ufunc: Callable, addresses: List[int], start: int, stop: int
-    ) -> None:
-        """``flat[start:stop]`` = that part of every rank's array (this rank's is ``flat``) reduced in
-        rank order, a chunk at a time: each chunk read from the others is reduced while in cache.
-        This rank's own values are read before ``flat`` is written: only the last term is reduced
-        straight into it."""
-        ranks, itemsize = self._segment.ranks, flat.itemsize
+    def _reduce_part(self, flat: np.ndarray, ufunc: Callable, term: "Term", start: int, stop: int) -> None:
+        """``flat[start:stop]`` = every rank's values of that part (``term``) reduced in rank order, a
+        chunk at a time: each chunk read from the others is reduced while in cache. Only the last term
+        is reduced straight into ``flat`` (this rank's own values may lie there)."""
+        ranks = self._segment.ranks
         if self._scratch is None:
             self._scratch = np.empty((3, READ_CHUNK_BYTES), np.uint8)
         first, second, total = (row.view(flat.dtype) for row in self._scratch)
@@ -344,21 +426,42 @@ class HostAllreduce:
         for a in range(start, stop, step):
             b = min(a + step, stop)
             out = flat[a:b]
-            terms = [self._term(p2p, r, addresses[r] + a * itemsize, out, into[: b - a]) for r, into in enumerate(pair)]
+            terms = [term(r, a, b, into[: b - a]) for r, into in enumerate(pair)]
             if ranks == 2:
                 ufunc(terms[0], terms[1], out=out)
                 continue
             ufunc(terms[0], terms[1], out=total[: b - a])
             for r in range(2, ranks):
-                term = self._term(p2p, r, addresses[r] + a * itemsize, out, first[: b - a])
-                ufunc(total[: b - a], term, out=out if r == ranks - 1 else total[: b - a])
+                ufunc(total[: b - a], term(r, a, b, first[: b - a]), out=out if r == ranks - 1 else total[: b - a])
 
-    def _term(self, p2p: PointToPoint, r: int, address: int, mine: np.ndarray, into: np.ndarray) -> np.ndarray:
-        """Rank ``r``'s values of a chunk: ``mine`` if ``r`` is this rank, else read into ``into``."""
-        if r == self._segment.rank:
-            return mine
-        self._read(p2p, r, address, into)
-        return into
+    def _array_term(self, p2p: PointToPoint, flat: np.ndarray, addresses: List[int]) -> "Term":
+        """Rank r's values of elements ``[a, b)`` of an in-place all-reduce: this rank's in ``flat``,
+        another's read from its array (at the address it published) into ``into``."""
+        rank, itemsize = self._segment.rank, flat.itemsize
+
+        def term(r: int, a: int, b: int, into: np.ndarray) -> np.ndarray:
+            if r == rank:
+                return flat[a:b]
+            self._read(p2p, r, addresses[r] + a * itemsize, into)
+            return into
+
+        return term
+
+    def _pieces_term(self, p2p: PointToPoint, mine: "Pieces", tables: List[Optional["PieceTable"]]) -> "Term":
+        """Rank r's values of elements ``[a, b)`` of an all-reduce of pieces: this rank's from its
+        pieces (a view where one piece holds them all), another's read from its pieces (by the table
+        it published) into ``into``; 0 where no piece lies."""
+        rank = self._segment.rank
+
+        def term(r: int, a: int, b: int, into: np.ndarray) -> np.ndarray:
+            if r == rank:
+                return mine.values(a, b, into)
+            reads = tables[r].reads(a, b, into)  # type: ignore[union-attr]
+            if reads:
+                self._read_pieces(p2p, r, reads)
+            return into
+
+        return term
 
     def _read(self, p2p: PointToPoint, peer: int, address: int, into: np.ndarray) -> None:
         """Copies ``into.nbytes`` bytes of ``peer``'s memory at ``address`` into ``into``.
@@ -366,9 +469,14 @@ class HostAllreduce:
         Raises:
             PeerFailureError: the kernel refused or found nothing there: ``peer`` ended or left.
         """
+        self._read_pieces(p2p, peer, [(address, into)])
+
+    def _read_pieces(self, p2p: PointToPoint, peer: int, reads: List[Tuple[int, np.ndarray]]) -> None:
+        """For each ``(address, into)`` of ``reads``, copies ``into.nbytes`` bytes of ``peer``'s memory
+        at ``address`` into ``into``; raises as :meth:`_read`."""
         assert self._pids is not None
         try:
-            cross_memory.read(self._pids[peer], address, into)
+            cross_memory.read_pieces(self._pids[peer], reads)
         except OSError as e:
             p2p.raise_if_failed([peer])
             raise PeerFailureError(
@@ -377,6 +485,10 @@ class HostAllreduce:
                 peer_rank=peer,
                 rank=p2p.rank,
             ) from e
+
+    def _addresses_of(self, parity: int) -> List[int]:
+        """Where every rank's array of the in-place all-reduce of ``parity`` lies (published)."""
+        return [words[0] for words in self._addresses[parity]]
 
     def announce(self, note: bytes) -> None:
         """Tells the ranks of the segment what this rank does now (every collective's descriptor).
@@ -475,6 +587,67 @@ class HostAllreduce:
         notes = {r: self._segment.current(r) for r in missing}
         late = self._segment.missing(count)
         return {r: note for r, note in notes.items() if r in late and note and elsewhere(note)}
+
+
+def _spans(starts: np.ndarray, ends: np.ndarray, a: int, b: int):
+    """``(piece, lo, hi)`` for each piece (of increasing, non-overlapping ``[starts, ends)``) holding
+    elements of ``[a, b)``: it holds ``[lo, hi)`` of them."""
+    i = int(np.searchsorted(ends, a, side="right"))
+    while i < len(starts) and starts[i] < b:
+        yield i, max(a, int(starts[i])), min(b, int(ends[i]))
+        i += 1
+
+
+def _zero_gaps(into: np.ndarray, a: int, spans: List[Tuple[int, int, int]]) -> None:
+    """Zeroes the elements of ``into`` (elements ``[a, a + len(into))``) that no span holds."""
+    at = a
+    for _, lo, hi in spans:
+        if lo > at:
+            into[at - a : lo - a] = 0
+        at = hi
+    if at < a + into.size:
+        into[at - a :] = 0
+
+
+class Pieces:
+    """This rank's pieces of an all-reduce of pieces: 1-D arrays at element offsets of the result."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]):
+        self.arrays = list(arrays)
+        self.offsets = np.asarray(offsets, np.int64).reshape(-1)
+        self.sizes = np.array([array.size for array in self.arrays], np.int64)
+        self.addresses = np.array([array.ctypes.data for array in self.arrays], np.int64)
+        self._ends = self.offsets + self.sizes
+
+    def values(self, a: int, b: int, into: np.ndarray) -> np.ndarray:
+        """Elements ``[a, b)`` of the packed array: a view of the one piece that holds them all, else
+        copied into ``into`` (0 where no piece lies)."""
+        spans = list(_spans(self.offsets, self._ends, a, b))
+        if len(spans) == 1 and spans[0][1:] == (a, b):
+            i = spans[0][0]
+            return self.arrays[i][a - self.offsets[i] : b - self.offsets[i]]
+        _zero_gaps(into, a, spans)
+        for i, lo, hi in spans:
+            into[lo - a : hi - a] = self.arrays[i][lo - self.offsets[i] : hi - self.offsets[i]]
+        return into
+
+
+class PieceTable:
+    """Where another rank's pieces lie in its process, as it published them."""
+
+    def __init__(self, offsets: np.ndarray, addresses: np.ndarray, sizes: np.ndarray, itemsize: int):
+        self._offsets, self._addresses, self._itemsize = offsets, addresses, itemsize
+        self._ends = offsets + sizes
+
+    def reads(self, a: int, b: int, into: np.ndarray) -> List[Tuple[int, np.ndarray]]:
+        """What to read (``(address, into's part)``) to have elements ``[a, b)`` in ``into``; zeroes
+        the elements no piece holds."""
+        spans = list(_spans(self._offsets, self._ends, a, b))
+        _zero_gaps(into, a, spans)
+        return [
+            (int(self._addresses[i]) + (lo - int(self._offsets[i])) * self._itemsize, into[lo - a : hi - a])
+            for i, lo, hi in spans
+        ]
 
 
 def _readable_pids(call: CollectiveCall, wanted: bool) -> Optional[List[int]]:

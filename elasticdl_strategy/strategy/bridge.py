@@ -33,7 +33,11 @@ bucket's layout). Every tensor starts on a 64-byte boundary there, so the
 reduced tensors are handed to TensorFlow as views, without a copy; each view
 holds a lease on its buffer until it is collected, and a buffer is reused only
 once no lease is left, else another one is made (two are kept per use of a
-layout in a step).
+layout in a step). Where the workers of one host read each other's memory (the
+communicator's single copy, for buckets larger than its host segment's slots),
+a bucket's tensors are not packed at all: each worker reads the others' tensors
+where they lie and writes only the reduced values into its staging buffer
+(:meth:`~elasticdl_strategy.collective.communicator.Communicator.allreduce_pieces`).
 
 Measured on the 2-core development VM (``benchmarks/train_step.py``, MLP with
 16 MiB of float32 gradients, N = 2): one 64 MiB bucket trains fastest; 16 and
@@ -281,12 +285,32 @@ class _Staged:
 
     def reduce(self, communicator, op: str, timeout: Optional[float], compression: Optional[str]) -> None:
         _, flat = self._leased()
-        integer_mean = op == "mean" and flat.dtype.kind in "iu"
         kwargs = {}
         if compression is not None and flat.dtype in _COMPRESSIBLE:
             kwargs["compression"] = compression
-        communicator.allreduce(flat, op="sum" if integer_mean else op, out=flat, timeout=timeout, **kwargs)
-        if integer_mean:
+        communicator.allreduce(flat, op=self._op(op), out=flat, timeout=timeout, **kwargs)
+        self._finish(communicator, op)
+
+    def reads_in_place(self, communicator, compression: Optional[str]) -> bool:
+        """Whether the bucket's members are read where they lie, never packed (one host, single copy:
+        :meth:`~elasticdl_strategy.collective.communicator.Communicator.reads_pieces`)."""
+        if compression is not None and self.dtype in _COMPRESSIBLE:
+            return False
+        return communicator.reads_pieces(self.length * self.dtype.itemsize, len(self.bucket.members))
+
+    def reduce_in_place(self, arrays: Sequence[np.ndarray], communicator, op: str, timeout: Optional[float]) -> None:
+        _, flat = self._leased()
+        members = [np.ascontiguousarray(arrays[i]) for i in self.bucket.members]
+        communicator.allreduce_pieces(members, self.offsets, flat, op=self._op(op), timeout=timeout)
+        self._finish(communicator, op)
+
+    def _op(self, op: str) -> str:
+        """What the communicator reduces with: the sum for an integer mean (see :meth:`_finish`)."""
+        return "sum" if op == "mean" and self.dtype.kind in "iu" else op
+
+    def _finish(self, communicator, op: str) -> None:
+        _, flat = self._leased()
+        if op == "mean" and self.dtype.kind in "iu":
             flat //= communicator.size
         _counters["buckets"] += 1
 
@@ -330,10 +354,13 @@ def reduce_buckets(
         for bucket in staged:
             bucket.acquire(uses)
         for bucket in staged:
-            started = time.perf_counter()
-            bucket.pack(arrays)
-            packed = time.perf_counter()
-            bucket.reduce(communicator, op, timeout, compression)
+            started = packed = time.perf_counter()
+            if bucket.reads_in_place(communicator, compression):
+                bucket.reduce_in_place(arrays, communicator, op, timeout)
+            else:
+                bucket.pack(arrays)
+                packed = time.perf_counter()
+                bucket.reduce(communicator, op, timeout, compression)
             _counters["pack_s"] += packed - started
             _counters["ring_s"] += time.perf_counter() - packed
             bucket.unpack(arrays, results)

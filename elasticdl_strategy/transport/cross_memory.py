@@ -24,7 +24,7 @@ import ctypes
 import errno
 import os
 import sys
-from typing import Any
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
@@ -45,6 +45,8 @@ AVAILABLE = _readv is not None
 
 # The most one call copies: the kernel copies at most 2 GiB - 4 KiB a call and says nothing of the rest.
 MAX_CALL_BYTES = 1 << 30
+# The most pieces one call copies (the kernel's IOV_MAX).
+MAX_PIECES = 1024
 
 
 def read(pid: int, address: int, into: np.ndarray) -> None:
@@ -55,12 +57,36 @@ def read(pid: int, address: int, into: np.ndarray) -> None:
         OSError: the kernel refused (``EPERM``: not allowed to trace it; ``ESRCH``: no such
             process; ``EFAULT``: not mapped there), or copied less than asked (``EFAULT``).
     """
-    start, nbytes = into.ctypes.data, into.nbytes
-    for offset in range(0, nbytes, MAX_CALL_BYTES):
-        size = min(MAX_CALL_BYTES, nbytes - offset)
-        local = _Iovec(start + offset, size)
-        remote = _Iovec(address + offset, size)
-        copied = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if copied != size:
-            code = ctypes.get_errno() if copied < 0 else errno.EFAULT  # a short read ends at an unmapped page
-            raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)} ({copied} of {size} bytes)")
+    read_pieces(pid, [(address, into)])
+
+
+def read_pieces(pid: int, pieces: Sequence[Tuple[int, np.ndarray]]) -> None:
+    """For each ``(address, into)`` of ``pieces``, copies ``into.nbytes`` bytes from ``address`` in
+    process ``pid`` into ``into`` (C-contiguous): many pieces in one call, up to :data:`MAX_PIECES`
+    pieces and :data:`MAX_CALL_BYTES` bytes a call.
+
+    Raises:
+        OSError: as :func:`read`.
+    """
+    batch: List[Tuple[int, int, int]] = []  # (remote address, local address, bytes)
+    total = 0
+    for address, into in pieces:
+        start, nbytes = into.ctypes.data, into.nbytes
+        for offset in range(0, nbytes, MAX_CALL_BYTES):
+            size = min(MAX_CALL_BYTES, nbytes - offset)
+            if len(batch) == MAX_PIECES or total + size > MAX_CALL_BYTES:
+                _read_batch(pid, batch, total)
+                batch, total = [], 0
+            batch.append((address + offset, start + offset, size))
+            total += size
+    if batch:
+        _read_batch(pid, batch, total)
+
+
+def _read_batch(pid: int, batch: List[Tuple[int, int, int]], total: int) -> None:
+    local = (_Iovec * len(batch))(*(_Iovec(here, size) for _, here, size in batch))
+    remote = (_Iovec * len(batch))(*(_Iovec(there, size) for there, _, size in batch))
+    copied = _readv(pid, local, len(batch), remote, len(batch), 0)
+    if copied != total:
+        code = ctypes.get_errno() if copied < 0 else errno.EFAULT  # a short read ends at an unmapped page
+        raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)} ({copied} of {total} bytes)")

@@ -1,5 +1,6 @@
-"""Small all-reduces and barriers through a host segment: no messages, the same bits as the direct
-exchange, and every failure a message path would see (a peer that left, a deadline, a mismatch)."""
+"""All-reduces and barriers through a host segment: no messages, the same bits as the direct
+exchange, and every failure a message path would see (a peer that left, a deadline, a mismatch);
+larger ones (single copy) read where they lie, arrays or a bucket's pieces."""
 
 import dataclasses
 import errno
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.collective import host_allreduce
-from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
+from elasticdl_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError, UsageError
 from elasticdl_strategy.transport import futex
 from tests.cluster import ThreadCluster, transport_options
 
@@ -589,3 +590,126 @@ def test_a_rank_that_gives_up_before_its_last_arrival_and_calls_again_fails_the_
     # Rank 0 fails instead of returning what it read from rank 1's changed array.
     assert isinstance(outcomes[0], PeerFailureError) and outcomes[0].peer_rank == 1, outcomes[0]
     assert "gave up the all-reduce" in str(outcomes[0])
+
+
+# ---- all-reduces of pieces: a bucket's tensors, read where they lie -------------------------------
+
+
+def _layout(sizes, gap=3):
+    """Offsets of pieces of ``sizes`` with ``gap`` elements between them (as a bucket's alignment leaves)."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += size + gap
+    return offsets, at
+
+
+def _packed(pieces, offsets, length, dtype):
+    packed = np.zeros(length, dtype)
+    for piece, offset in zip(pieces, offsets):
+        packed[offset : offset + piece.size] = piece.reshape(-1)
+    return packed
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_allreduces_of_pieces_read_them_where_they_lie_with_the_bits_of_packing_them(monkeypatch, n):
+    monkeypatch.setattr(host_allreduce, "READ_CHUNK_BYTES", 4096)  # chunks across pieces and within one
+    sizes = [2500, 0, 7, 1, 3000, 1024]  # pieces of one chunk, of several, and none at all
+    offsets, length = _layout(sizes)
+    calls = [(np.float32, "sum"), (np.float64, "max"), (np.int64, "sum")]
+    rng = np.random.default_rng(3)
+    pieces = {
+        dtype: [[(rng.standard_normal(s) * 100).astype(dtype).reshape(-1, 1) for s in sizes] for _ in range(n)]
+        for dtype, _ in calls
+    }
+    with ThreadCluster(n, transport_options("host-segment", host_segment_bytes=8192)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        assert all(c.reads_pieces(length * 8, len(sizes)) for c in cluster.communicators)
+        sent = [c.p2p.messages_sent for c in cluster.communicators]
+
+        def program(c):
+            before, results = c._host_segment._count, []
+            for dtype, op in calls:
+                mine = [p.copy() for p in pieces[dtype][c.rank]]
+                out = np.full(length, 7, dtype)
+                assert c.allreduce_pieces(mine, offsets, out, op=op) is out
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(mine, pieces[dtype][c.rank]))  # read only
+                results.append(out)
+            return c._host_segment._count - before, results
+
+        outcomes = cluster.run(program)
+        assert [c.p2p.messages_sent for c in cluster.communicators] == sent
+    assert [arrivals for arrivals, _ in outcomes] == [3 * len(calls)] * n
+    for i, (dtype, op) in enumerate(calls):
+        ufunc = {"sum": np.add, "max": np.maximum}[op]
+        expected = _reference([_packed(p, offsets, length, dtype) for p in pieces[dtype]], ufunc)
+        for _, results in outcomes:  # the bits of packing and reducing in rank order, 0 between pieces
+            assert results[i].tobytes() == expected.tobytes(), (dtype, op)
+
+
+@pytest.mark.parametrize("why", ["no single copy", "in a slot", "too many pieces for a slot's table"])
+def test_allreduces_of_pieces_the_segment_does_not_read_in_place_are_packed(why):
+    options = transport_options("host-segment", host_segment_bytes=4096)
+    if why == "no single copy":
+        options = dataclasses.replace(options, single_copy=False)
+    sizes = [300] * 3 if why == "in a slot" else [2] * 200 if why.startswith("too many") else [1000, 2000]
+    offsets, length = _layout(sizes)
+    with ThreadCluster(3, options) as cluster:
+        cluster.run(lambda c: c.barrier())
+        assert not any(c.reads_pieces(length * 4, len(sizes)) for c in cluster.communicators)
+        results = cluster.run(
+            lambda c: c.allreduce_pieces(
+                [np.full(s, c.rank + 1.0, np.float32) for s in sizes], offsets, np.zeros(length, np.float32)
+            )
+        )
+    for result in results:
+        for size, offset in zip(sizes, offsets):
+            assert result[offset : offset + size].tolist() == [6.0] * size
+
+
+def test_ranks_that_disagree_on_reading_pieces_all_raise_mismatch():
+    def program(c):
+        c.barrier()
+        out = np.zeros(5000, np.float32)
+        if c.rank == 1:  # the same shape, packed by the caller
+            return c.allreduce(out, out=out)
+        return c.allreduce_pieces([np.ones(2000, np.float32), np.ones(2000, np.float32)], [0, 3000], out)
+
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
+        results = cluster.run_outcomes(program, timeout=30)
+    for rank, outcome in enumerate(results):
+        assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
+        assert "allreduce_pieces" in str(outcome)
+
+
+def test_a_peer_whose_process_is_gone_fails_an_allreduce_of_pieces_at_once():
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096, spin_us=0.0)) as cluster:
+        cluster.run(lambda c: c.barrier())
+        gone = subprocess.Popen(["true"])  # noqa: S607
+        gone.wait()
+        cluster.communicators[0]._host_segment._pids[2] = gone.pid  # every rank is this process here
+        start = time.monotonic()
+        outcomes = cluster.run_outcomes(
+            lambda c: c.allreduce_pieces([np.ones(3000, np.float32)], [100], np.zeros(5000, np.float32)), timeout=30
+        )
+    assert isinstance(outcomes[0], PeerFailureError) and "cannot read rank 2" in str(outcomes[0]), outcomes[0]
+    for outcome in outcomes:  # rank 0 aborted the call on every rank
+        assert isinstance(outcome, PeerFailureError) and outcome.peer_rank == 2, outcome
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize(
+    "pieces, offsets, out, message",
+    [
+        ([np.ones(4, np.float32)] * 2, [0, 3], np.zeros(10, np.float32), "overlaps"),
+        ([np.ones(4, np.float32)], [8], np.zeros(10, np.float32), "beyond out"),
+        ([np.ones(4, np.float64)], [0], np.zeros(10, np.float32), "dtype"),
+        ([np.ones((4, 2), np.float32)[:, 0]], [0], np.zeros(10, np.float32), "C-contiguous"),
+        ([np.ones(4, np.float32)], [0, 4], np.zeros(10, np.float32), "offsets"),
+        ([np.ones(4, np.float32)], [0], np.zeros((2, 5), np.float32), "1-D"),
+    ],
+)
+def test_pieces_that_do_not_fit_out_are_refused_in_one_line(pieces, offsets, out, message):
+    with ThreadCluster(1, transport_options("host-segment")) as cluster:
+        with pytest.raises(UsageError, match=message):
+            cluster.communicators[0].allreduce_pieces(pieces, offsets, out)

@@ -93,12 +93,26 @@ class FakeCommunicator:
 
     size = 2
 
-    def __init__(self):
+    def __init__(self, reads_pieces=False):
         self.calls = []
+        self._reads_pieces = reads_pieces
 
     def allreduce(self, array, op="sum", out=None, timeout=None, **kwargs):
         self.calls.append((threading.get_ident(), array.dtype, array.shape, op, kwargs.get("compression")))
         np.multiply(array, 2, out=out)
+        if op == "mean":
+            np.divide(out, 2, out=out, casting="unsafe")
+        return out
+
+    def reads_pieces(self, nbytes, count):
+        return self._reads_pieces
+
+    def allreduce_pieces(self, pieces, offsets, out, op="sum", timeout=None):
+        """As one host's workers that read each other's memory: the pieces, never packed into ``out``."""
+        self.calls.append((threading.get_ident(), out.dtype, out.shape, op, "pieces"))
+        out.fill(np.nan if out.dtype.kind == "f" else 99)  # what a packing before this would have overwritten
+        for piece, offset in zip(pieces, offsets, strict=True):
+            np.multiply(piece.reshape(-1), 2, out=out[offset : offset + piece.size])
         if op == "mean":
             np.divide(out, 2, out=out, casting="unsafe")
         return out
@@ -190,6 +204,29 @@ def test_the_counters_time_packing_and_the_ring_apart(fake, monkeypatch):
     assert after["buckets"] - before["buckets"] == 2
     assert after["ring_s"] - before["ring_s"] >= 2 * ring_seconds
     assert 0 < after["pack_s"] - before["pack_s"] < ring_seconds
+
+
+def test_where_the_communicator_reads_pieces_where_they_lie_no_bucket_is_packed(monkeypatch):
+    communicator = FakeCommunicator(reads_pieces=True)
+    monkeypatch.setattr(bridge.runtime, "communicator", lambda: communicator)
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in [(30, 20), (20,), (0,), (), (50, 3), (7,)]]
+    arrays.insert(2, np.arange(12, dtype=np.int32).reshape(3, 4))
+    before = bridge.counters()
+    results = bridge.allreduce_arrays(arrays, "sum", bucket_bytes=1024)
+    after = bridge.counters()
+    for array, result in zip(arrays, results, strict=True):
+        assert result.shape == array.shape and result.dtype == array.dtype
+        np.testing.assert_array_equal(result, 2 * array)
+    plan = plan_buckets([a.size for a in arrays], [a.dtype for a in arrays], 1024)
+    assert [c[4] for c in communicator.calls] == ["pieces"] * len(plan)
+    assert after["pack_s"] == before["pack_s"]
+    # Compression goes by packing (the segment reduces full-width values only).
+    communicator.calls.clear()
+    bridge.allreduce_arrays(arrays, "sum", bucket_bytes=1024, compression="bf16")
+    assert [c[4] for c in communicator.calls] == ["bf16" if b.dtype.kind == "f" else "pieces" for b in plan]
+    (mean,) = bridge.allreduce_arrays([np.array([3, 5], np.int32)], "mean")  # the sum, floor-divided
+    np.testing.assert_array_equal(mean, [3, 5])
 
 
 # ---- the order of the buckets in a tf.function ----------------------------------------------

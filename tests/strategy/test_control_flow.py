@@ -42,6 +42,9 @@ class OverlapDetector:
         np.multiply(array, 2, out=out)
         return out
 
+    def reads_pieces(self, nbytes, count):  # the bridge packs every bucket and calls allreduce
+        return False
+
 
 @pytest.fixture
 def detector(monkeypatch):
