@@ -207,7 +207,9 @@ class Communicator:
         arrays where they lie (one host, ``single_copy``, larger than the host segment's slots:
         :meth:`reads_pieces`), the ranks read each other's pieces where they lie instead, and the
         pieces are never copied into ``out``. Elements of ``out`` that no piece covers end up
-        unspecified (0 or what the copy left). Every rank passes the same layout.
+        unspecified (0 or what the copy left). Every rank passes the same layout (pieces of the
+        same sizes at the same offsets): a different number of pieces is found out (a collective
+        mismatch), other differences are not.
 
         Args:
             pieces: C-contiguous arrays of ``out``'s dtype, any shape (read as 1-D).
@@ -237,7 +239,9 @@ class Communicator:
             return self.allreduce(out, op=op, out=out, timeout=timeout)
         segment = self._host_segment
         assert segment is not None
-        call = self._begin("allreduce_pieces", out.dtype, out.shape, reduce_op=op, timeout=timeout, announce=False)
+        # The number of pieces in the shape: ranks that pass different numbers are a mismatch.
+        shape = (out.size, len(flats))
+        call = self._begin("allreduce_pieces", out.dtype, shape, reduce_op=op, timeout=timeout, announce=False)
         with self._running(call):
             note = call.descriptor.SerializeToString()
             differing = segment.allreduce_pieces(
@@ -705,6 +709,8 @@ def _pieces_of(pieces: Sequence[np.ndarray], offsets: Sequence[int], out: np.nda
         raise UsageError(f"{len(pieces)} pieces but {len(offsets)} offsets")
     flats, end = [], 0
     for i, (piece, offset) in enumerate(zip(pieces, offsets)):
+        if not isinstance(offset, (int, np.integer)):
+            raise UsageError(f"offset {i} must be an integer, not {offset!r}")
         if not isinstance(piece, np.ndarray) or piece.dtype != out.dtype or not piece.flags.c_contiguous:
             raise UsageError(f"piece {i} must be a C-contiguous array of out's dtype {out.dtype}")
         if not end <= offset <= out.size - piece.size:

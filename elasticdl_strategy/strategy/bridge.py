@@ -335,11 +335,15 @@ def reduce_buckets(
     timeout: Optional[float] = None,
     compression: Optional[str] = None,
     uses: Optional[Dict[tuple, int]] = None,
+    in_place: bool = True,
 ) -> List[np.ndarray]:
     """All-reduces ``arrays`` bucket by bucket, in the order of ``buckets``; returns the
     results (views of staging buffers) in the order of ``arrays``.
 
     ``uses``: how many buckets of a step share each layout (default: counted in ``buckets``).
+    ``in_place``: whether other workers may read ``arrays`` where they lie (where the communicator
+    does that: :meth:`_Staged.reads_in_place`); not for copies of a GPU's tensors, which TensorFlow
+    may put in pinned memory that the kernel does not let another process read.
     """
     arrays = [np.asarray(a) for a in arrays]
     results: List[np.ndarray] = [None] * len(arrays)  # type: ignore[list-item]
@@ -355,7 +359,7 @@ def reduce_buckets(
             bucket.acquire(uses)
         for bucket in staged:
             started = packed = time.perf_counter()
-            if bucket.reads_in_place(communicator, compression):
+            if in_place and bucket.reads_in_place(communicator, compression):
                 bucket.reduce_in_place(arrays, communicator, op, timeout)
             else:
                 bucket.pack(arrays)
@@ -376,6 +380,7 @@ def allreduce_arrays(
     timeout: Optional[float] = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     compression: Optional[str] = None,
+    in_place: bool = True,
 ) -> List[np.ndarray]:
     """All-reduces ``arrays`` in buckets of at most ``bucket_bytes``; returns the results in the same order.
 
@@ -385,7 +390,7 @@ def allreduce_arrays(
     """
     arrays = [np.asarray(a) for a in arrays]
     buckets = plan_buckets([a.size for a in arrays], [a.dtype for a in arrays], bucket_bytes)
-    return reduce_buckets(arrays, buckets, op, timeout, compression)
+    return reduce_buckets(arrays, buckets, op, timeout, compression, in_place=in_place)
 
 
 def _briefly(function):
@@ -420,9 +425,14 @@ def _host_of(device: Optional[str]) -> Optional[str]:
     return None if device is None else device_util.get_host_for_device(device)
 
 
+def _on_host(device: Optional[str]) -> bool:
+    """Whether the replica's device is its host's CPU (its tensors lie in ordinary host memory)."""
+    return device is None or device == _host_of(device)
+
+
 def _onto(device: Optional[str], tensors: List[tf.Tensor]) -> List[tf.Tensor]:
     """The ring's results (in host memory) copied once onto the replica's device, if that is not the host."""
-    if device is None or device == _host_of(device):
+    if _on_host(device):
         return tensors
     with ops.device(device):
         return [tf.identity(t) for t in tensors]
@@ -449,7 +459,8 @@ def all_reduce_tensors(
     if not tensors:
         return []
     if tf.executing_eagerly():
-        arrays = allreduce_arrays([t.numpy() for t in tensors], op, timeout, bucket_bytes, compression)
+        arrays = [t.numpy() for t in tensors]
+        arrays = allreduce_arrays(arrays, op, timeout, bucket_bytes, compression, in_place=_on_host(device))
         with _on(device):
             return [tf.convert_to_tensor(a) for a in arrays]
     _check_not_xla()
@@ -465,7 +476,15 @@ def all_reduce_tensors(
     for members, plan in groups:
         inputs = [tensors[i] for i in members]
         reduce = _briefly(
-            functools.partial(_reduce_call, plan=plan, op=op, timeout=timeout, compression=compression, uses=uses)
+            functools.partial(
+                _reduce_call,
+                plan=plan,
+                op=op,
+                timeout=timeout,
+                compression=compression,
+                uses=uses,
+                in_place=_on_host(device),
+            )
         )
 
         def collective_op(inputs=inputs, reduce=reduce) -> List[tf.Tensor]:
@@ -484,8 +503,8 @@ def _as_list(outputs) -> List[tf.Tensor]:
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
-def _reduce_call(*arrays, plan, op, timeout, compression, uses):
-    return reduce_buckets(arrays, plan, op, timeout, compression, uses)
+def _reduce_call(*arrays, plan, op, timeout, compression, uses, in_place):
+    return reduce_buckets(arrays, plan, op, timeout, compression, uses, in_place)
 
 
 def all_gather_tensor(

@@ -682,6 +682,19 @@ def test_ranks_that_disagree_on_reading_pieces_all_raise_mismatch():
         assert "allreduce_pieces" in str(outcome)
 
 
+def test_ranks_that_pass_different_numbers_of_pieces_all_raise_mismatch():
+    def program(c):
+        c.barrier()
+        pieces = [np.ones(2000, np.float32)] * (2 if c.rank == 1 else 3)
+        return c.allreduce_pieces(pieces, [0, 2000, 4000][: len(pieces)], np.zeros(6000, np.float32))
+
+    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
+        results = cluster.run_outcomes(program, timeout=30)
+    for rank, outcome in enumerate(results):
+        assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
+        assert "shape" in str(outcome)
+
+
 def test_a_peer_whose_process_is_gone_fails_an_allreduce_of_pieces_at_once():
     with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096, spin_us=0.0)) as cluster:
         cluster.run(lambda c: c.barrier())
@@ -707,6 +720,7 @@ def test_a_peer_whose_process_is_gone_fails_an_allreduce_of_pieces_at_once():
         ([np.ones((4, 2), np.float32)[:, 0]], [0], np.zeros(10, np.float32), "C-contiguous"),
         ([np.ones(4, np.float32)], [0, 4], np.zeros(10, np.float32), "offsets"),
         ([np.ones(4, np.float32)], [0], np.zeros((2, 5), np.float32), "1-D"),
+        ([np.ones(4, np.float32)], [1.5], np.zeros(10, np.float32), "integer"),
     ],
 )
 def test_pieces_that_do_not_fit_out_are_refused_in_one_line(pieces, offsets, out, message):

@@ -229,6 +229,19 @@ def test_where_the_communicator_reads_pieces_where_they_lie_no_bucket_is_packed(
     np.testing.assert_array_equal(mean, [3, 5])
 
 
+def test_a_gpu_replicas_tensors_are_packed_not_read_where_they_lie(monkeypatch):
+    # Their copies in host memory may be pinned (CUDA), which another process cannot read.
+    communicator = FakeCommunicator(reads_pieces=True)
+    monkeypatch.setattr(bridge.runtime, "communicator", lambda: communicator)
+    tensors = [tf.ones((300,)), tf.ones((20, 3))]
+    for device, kind in [(None, "pieces"), ("/job:localhost/replica:0/task:0/device:GPU:0", None)]:
+        communicator.calls.clear()
+        results = bridge.all_reduce_tensors(tensors, "sum", device=device)
+        assert [c[4] for c in communicator.calls] == [kind]
+        for tensor, result in zip(tensors, results, strict=True):
+            np.testing.assert_array_equal(result.numpy(), 2 * tensor.numpy())
+
+
 # ---- the order of the buckets in a tf.function ----------------------------------------------
 
 
