@@ -20,7 +20,9 @@ arrival (a wait or a read raised: the others may still read its array, which its
 change, and a later call of its own may publish the arrival they wait for) says so in the segment,
 so that a rank that read it fails its call too (:meth:`HostAllreduce._raise_if_abandoned`).
 One copy per byte read instead of two (into a lane and out of it), no transport thread, no memory
-beyond a few chunks of scratch, and nothing written into another process.
+beyond a few chunks of scratch, and nothing written into another process. The arrays of one call
+need not even be one array (:meth:`HostAllreduce.allreduce_pieces`: a gradient bucket's tensors):
+each rank then publishes a table of where its pieces lie, and the others read them piece by piece.
 
 The segment is set up by the first all-reduce or barrier of a membership on one host, whatever its
 size (:meth:`HostAllreduce.agree`, inside that collective, over the point-to-point messages that
@@ -50,7 +52,7 @@ import os
 import secrets
 import struct
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -372,7 +374,7 @@ class HostAllreduce:
         parity: int,
         note: bytes,
         healthy: Callable,
-        term: "Term",
+        term: Term,
     ) -> None:
         """Each rank reduces its own part (:func:`parts`) of every rank's values (``term``: read where
         they lie) into its own array ``flat``; once every rank has, each reads the others' parts of
@@ -413,7 +415,7 @@ class HostAllreduce:
                     rank=p2p.rank,
                 )
 
-    def _reduce_part(self, flat: np.ndarray, ufunc: Callable, term: "Term", start: int, stop: int) -> None:
+    def _reduce_part(self, flat: np.ndarray, ufunc: Callable, term: Term, start: int, stop: int) -> None:
         """``flat[start:stop]`` = every rank's values of that part (``term``) reduced in rank order, a
         chunk at a time: each chunk read from the others is reduced while in cache. Only the last term
         is reduced straight into ``flat`` (this rank's own values may lie there)."""
@@ -434,7 +436,7 @@ class HostAllreduce:
             for r in range(2, ranks):
                 ufunc(total[: b - a], term(r, a, b, first[: b - a]), out=out if r == ranks - 1 else total[: b - a])
 
-    def _array_term(self, p2p: PointToPoint, flat: np.ndarray, addresses: List[int]) -> "Term":
+    def _array_term(self, p2p: PointToPoint, flat: np.ndarray, addresses: List[int]) -> Term:
         """Rank r's values of elements ``[a, b)`` of an in-place all-reduce: this rank's in ``flat``,
         another's read from its array (at the address it published) into ``into``."""
         rank, itemsize = self._segment.rank, flat.itemsize
@@ -447,7 +449,7 @@ class HostAllreduce:
 
         return term
 
-    def _pieces_term(self, p2p: PointToPoint, mine: "Pieces", tables: List[Optional["PieceTable"]]) -> "Term":
+    def _pieces_term(self, p2p: PointToPoint, mine: "Pieces", tables: List[Optional["PieceTable"]]) -> Term:
         """Rank r's values of elements ``[a, b)`` of an all-reduce of pieces: this rank's from its
         pieces (a view where one piece holds them all), another's read from its pieces (by the table
         it published) into ``into``; 0 where no piece lies."""
@@ -589,7 +591,7 @@ class HostAllreduce:
         return {r: note for r, note in notes.items() if r in late and note and elsewhere(note)}
 
 
-def _spans(starts: np.ndarray, ends: np.ndarray, a: int, b: int):
+def _spans(starts: np.ndarray, ends: np.ndarray, a: int, b: int) -> Iterator[Tuple[int, int, int]]:
     """``(piece, lo, hi)`` for each piece (of increasing, non-overlapping ``[starts, ends)``) holding
     elements of ``[a, b)``: it holds ``[lo, hi)`` of them."""
     i = int(np.searchsorted(ends, a, side="right"))

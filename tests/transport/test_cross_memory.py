@@ -44,6 +44,32 @@ def test_a_read_larger_than_one_call_takes_several(monkeypatch):
         assert into[250000] == 0.0
 
 
+@pytest.mark.parametrize("max_pieces, max_bytes", [(1024, 1 << 30), (7, 4096), (1, 64)])
+def test_many_pieces_are_read_in_as_few_calls_as_the_limits_allow(monkeypatch, max_pieces, max_bytes):
+    if not cross_memory_allowed():
+        pytest.skip("this machine does not let a process read another's memory")
+    monkeypatch.setattr(cross_memory, "MAX_PIECES", max_pieces)
+    monkeypatch.setattr(cross_memory, "MAX_CALL_BYTES", max_bytes)
+    calls = []
+    read_batch = cross_memory._read_batch
+    monkeypatch.setattr(
+        cross_memory, "_read_batch", lambda pid, batch, total: calls.append(len(batch)) or read_batch(pid, batch, total)
+    )
+    with holder() as (pid, address):
+        starts = list(range(0, 250000, 83))  # 3013 pieces of 0 to 40 elements, in no particular order
+        rng = np.random.default_rng(5)
+        rng.shuffle(starts)
+        pieces = [(s, np.zeros(int(rng.integers(0, 41)), np.float32)) for s in starts]
+        cross_memory.read_pieces(pid, [(address + 4 * s, into) for s, into in pieces])
+    for s, into in pieces:
+        np.testing.assert_array_equal(into, np.arange(s, s + into.size, dtype=np.float32))
+    assert max(calls) <= max_pieces
+    nbytes, nonempty = sum(into.nbytes for _, into in pieces), sum(into.size > 0 for _, into in pieces)
+    assert len(calls) >= max(-(-nbytes // max_bytes), -(-nonempty // max_pieces))  # nothing read for empty ones
+    if max_bytes == 1 << 30:  # bytes no limit here: only full batches of pieces
+        assert calls == [1024] * (nonempty // 1024) + [nonempty % 1024] * (nonempty % 1024 > 0)
+
+
 @pytest.mark.slow
 def test_a_read_of_more_than_2_gib_is_read_whole():
     if not cross_memory.AVAILABLE:
