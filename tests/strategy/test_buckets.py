@@ -6,6 +6,7 @@ its traced graph; one launcher job of 2 workers trains with several buckets per 
 """
 
 import concurrent.futures
+import os
 import re
 import sys
 import threading
@@ -352,3 +353,32 @@ def test_training_with_several_buckets_matches_one_process(tmp_path):
         assert ours["calls_per_step"] == other["calls_per_step"] == expected, run
         # Staging buffers are kept between steps: none allocated after the warm-up steps.
         assert ours["staging_allocations_after_warmup"] == 0, run
+
+
+@pytest.mark.slow
+def test_training_with_buckets_read_where_they_lie_matches_one_process(tmp_path):
+    # Slots of 4 KiB: the 8.4 KiB bucket (dense_1's kernel) is read where it lies in the other
+    # worker's process (single copy), the smaller ones go through the slots.
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    command = [sys.executable, worker_script("strategy_buckets.py")]
+    env = {**os.environ, "EDL_HOST_SEGMENT_BYTES": "4096"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        job = pool.submit(run_job, 2, command + [str(tmp_path / "two"), "graph,eager"], timeout=240, env=env)
+        alone = pool.submit(run_alone, command + [str(tmp_path / "one"), "graph,eager"], timeout=240)
+        job, alone = job.result(), alone.result()
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    reference = read_reports(tmp_path / "one", [0])[0]
+    workers = read_reports(tmp_path / "two", [0, 1])
+    plan = plan_buckets(SIZES, [np.float64] * len(SIZES), BUCKET_BYTES)
+    lengths = [bucket_layout([SIZES[i] for i in b.members], np.float64)[1] for b in plan]
+    expected = [[[n], "float64", "pieces" if n * 8 > 4096 else None] for n in lengths] + [[[1], "float64", None]]
+    assert sum(c[2] == "pieces" for c in expected) == 1
+    for run in ("graph", "eager"):
+        ours, other = workers[0][run], workers[1][run]
+        assert ours["weights"] == other["weights"], run  # bitwise identical on both workers
+        for mine, theirs in zip(ours["weights"], reference[run]["weights"], strict=True):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(ours["losses"], reference[run]["losses"], rtol=1e-6)
+        assert ours["calls_per_step"] == other["calls_per_step"] == expected, run

@@ -1,14 +1,16 @@
 """Worker of tests/strategy/test_buckets.py: float64 training with gradients reduced in several buckets.
 
-Usage: strategy_buckets.py RESULTS_DIR
+Usage: strategy_buckets.py RESULTS_DIR [RUNS]
 
 Trains the same 4-layer MLP three times with ``AllReduceStrategy(bucket_bytes=BUCKET_BYTES)``:
 by ``model.fit``, by a custom loop in ``tf.function`` (one numpy_function per bucket) and by a
 custom loop run eagerly (several buckets in one call); then, when the
-communicator supports it, by the ``tf.function`` loop with ``compression="bf16"``. Every
-``Communicator.allreduce`` call is recorded (shape, dtype, compression) to show the order of
-the buckets. Run with the launcher (N workers) or alone (the single-process reference);
-writes ``{results_dir}/rank{r}.json``.
+communicator supports it, by the ``tf.function`` loop with ``compression="bf16"``. ``RUNS``
+(comma-separated: fit, graph, eager, bf16) trains only those. Every ``Communicator.allreduce``
+call is recorded (shape, dtype, compression) to show the order of the buckets, and every
+``Communicator.allreduce_pieces`` call (a bucket read where it lies: compression "pieces").
+Run with the launcher (N workers) or alone (the single-process reference); writes
+``{results_dir}/rank{r}.json``.
 """
 
 import inspect
@@ -37,14 +39,19 @@ RECORDING = [False]
 
 def record_allreduce_calls() -> None:
     communicator = runtime.communicator()
-    original = communicator.allreduce
+    original, original_pieces = communicator.allreduce, communicator.allreduce_pieces
 
     def recording(array, *args, **kwargs):
         if RECORDING[0]:
             CALLS.append([list(np.shape(array)), np.asarray(array).dtype.name, kwargs.get("compression")])
         return original(array, *args, **kwargs)
 
-    communicator.allreduce = recording
+    def recording_pieces(pieces, offsets, out, *args, **kwargs):
+        if RECORDING[0]:
+            CALLS.append([list(out.shape), out.dtype.name, "pieces"])
+        return original_pieces(pieces, offsets, out, *args, **kwargs)
+
+    communicator.allreduce, communicator.allreduce_pieces = recording, recording_pieces
 
 
 def data():
@@ -104,26 +111,28 @@ def train_custom(strategy, eager: bool):
     }
 
 
-def main(results_dir: str) -> None:
+def main(results_dir: str, runs: str = "fit,graph,eager,bf16") -> None:
     keras.config.set_floatx("float64")
     strategy = AllReduceStrategy(bucket_bytes=BUCKET_BYTES)
     # A different seed on every rank: the variables must start from rank 0's values anyway.
     keras.utils.set_random_seed(1234 + runtime.rank())
     record_allreduce_calls()
-    report = {
-        "rank": runtime.rank(),
-        "size": runtime.size(),
-        "compression_supported": COMPRESSION_SUPPORTED,
-        "fit": train_fit(strategy),
-        "graph": train_custom(strategy, eager=False),
-        "eager": train_custom(strategy, eager=True),
+    report = {"rank": runtime.rank(), "size": runtime.size(), "compression_supported": COMPRESSION_SUPPORTED}
+    trainings = {
+        "fit": lambda: train_fit(strategy),
+        "graph": lambda: train_custom(strategy, eager=False),
+        "eager": lambda: train_custom(strategy, eager=True),
     }
     if COMPRESSION_SUPPORTED:
-        compressed = AllReduceStrategy(bucket_bytes=BUCKET_BYTES, compression="bf16")
-        report["bf16"] = train_custom(compressed, eager=False)
+        trainings["bf16"] = lambda: train_custom(
+            AllReduceStrategy(bucket_bytes=BUCKET_BYTES, compression="bf16"), eager=False
+        )
+    for run in runs.split(","):
+        if run in trainings:
+            report[run] = trainings[run]()
     write_report(results_dir, runtime.rank(), report)
     runtime.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
