@@ -42,17 +42,18 @@ def test_sigkill_of_a_peer_raises_peer_failure_on_survivors_within_2s(tmp_path, 
         assert outcome["data_socket_peers"] == (sorted(streams) if transport != "grpc" else []), outcome
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sigkill_of_a_peer_during_allreduces_read_where_they_lie_raises_peer_failure_within_2s(tmp_path, n):
+@pytest.mark.parametrize("n, how", [(2, "kill-in-place"), (4, "kill-in-place"), (4, "kill-pieces")])
+def test_sigkill_of_a_peer_during_allreduces_read_where_they_lie_raises_peer_failure_within_2s(tmp_path, n, how):
     if not cross_memory_allowed():
         pytest.skip("this machine does not let a process read another's memory")
     env = transport_env("host-segment")
-    command = [sys.executable, worker_script("peer_killed.py"), str(tmp_path), "kill-in-place"]
+    command = [sys.executable, worker_script("peer_killed.py"), str(tmp_path), how]
     job = run_job(n, command, timeout=90, env=env)
     victim = json.loads((tmp_path / "victim.json").read_text())
     assert "was killed by signal 9" in job.stderr
     for outcome in _survivors(tmp_path, n, victim):
         assert outcome["single_copy"], outcome
+        assert outcome["reads_pieces"] or how != "kill-pieces", outcome
         assert outcome["error"] == "PeerFailureError", outcome
         assert outcome["peer_rank"] == victim["rank"], outcome
         assert outcome["at"] - victim["killed_at"] < 2.0, outcome
