@@ -1,6 +1,7 @@
 """Worker of test_failures.py: the last rank SIGKILLs (or SIGSTOPs) itself during a stream of all-reduces
 (``kill-large``: SIGKILL with 2 GiB resident, whose teardown keeps its sockets open ~0.1 s longer;
-``kill-in-place``: all-reduces of 4 MiB, which ranks of one host read where they lie; ``kill-pieces``:
+``kill-in-place``: all-reduces of 4 MiB and 4 KiB (more than a slot at N = 4), which ranks of one
+host read where they lie; ``kill-pieces``:
 8 MiB in three pieces, ``Communicator.allreduce_pieces``, read piece by piece).
 
 Survivors write ``{results_dir}/rank{r}.json`` with the error they got and when.
@@ -30,7 +31,7 @@ def main(results_dir: str, how: str) -> None:
     runtime.init()
     rank, n = runtime.rank(), runtime.size()
     victim = n - 1
-    elements = {"kill-in-place": 1 << 20, "kill-pieces": 1 << 21}.get(how, 1 << 16)
+    elements = {"kill-in-place": (1 << 20) + 1024, "kill-pieces": 1 << 21}.get(how, 1 << 16)
     allreduce = _allreduce_pieces if how == "kill-pieces" else runtime.allreduce
     runtime.barrier()
     if rank == victim:
@@ -52,6 +53,7 @@ def main(results_dir: str, how: str) -> None:
     segment = runtime.communicator()._host_segment
     outcome["single_copy"] = segment is not None and segment.single_copy
     outcome["reads_pieces"] = runtime.communicator().reads_pieces(4 * elements + 128, 3)
+    outcome["beyond_a_slot"] = segment is not None and 4 * elements > segment.slot_bytes
     write_report(results_dir, rank, outcome)
     sys.exit(3 if outcome["error"] else 0)
 
