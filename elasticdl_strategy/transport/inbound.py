@@ -208,7 +208,7 @@ class SocketFrames:
                 if isinstance(item, Exception):
                     raise item
                 return item
-            if not self._readers_active() and self._socket.wait_readable(0):  # not taken by a waiting thread
+            if self._socket.wait_readable(0):  # not taken by a waiting thread meanwhile
                 return self._socket.recv_frame()
             self._stop_reading()
 
@@ -225,14 +225,6 @@ class SocketFrames:
             self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
             return False
         return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
-
-    def _readers_active(self) -> bool:
-        """Whether a waiting thread read the socket within :data:`_READERS_GRACE_S`. The server thread,
-        woken by a message while it watched the socket, then leaves the socket to it: when a link
-        wakes up after a quiet spell (a step's computation), the waiting thread read the first
-        message as the server thread woke, and will read the next ones, which the server thread
-        would otherwise take first and hand over (a thread hand-off per message)."""
-        return time.monotonic() - self._last_read < _READERS_GRACE_S
 
     def read_payload(self, writer: MessageWriter, nbytes: int) -> None:
         piece = min(nbytes, _SOCKET_PIECE)

@@ -549,51 +549,6 @@ def test_a_receive_that_finds_the_socket_taken_for_a_moment_reads_it_itself_soon
     np.testing.assert_array_equal(outcome["array"], np.arange(10.0))
 
 
-def test_the_stream_thread_woken_by_a_message_leaves_it_to_the_thread_that_just_read_the_socket(
-    socket_pair, monkeypatch
-):
-    # After a quiet spell the stream's thread watches the socket again, and the first message of a
-    # step wakes it as the waiting thread reads it. The next message is that thread's to read too:
-    # taken by the stream's thread it would be handed over (a thread hand-off per message).
-    _, a, b = socket_pair
-    frames = b._sockets[0].socket
-    watching, woken_by_a_message = threading.Event(), threading.Event()
-    waiting_again, done = threading.Event(), threading.Event()
-    wait_for_something = SocketFrames._wait_for_something
-
-    def woken_once(self):
-        if done.is_set():
-            return wait_for_something(self)
-        if not woken_by_a_message.is_set():
-            watching.set()
-            woken_by_a_message.wait(30)
-            return True  # as poll says when a message came
-        waiting_again.set()
-        self._socket.wait_until_woken(60.0, self._wake_server)
-        return False
-
-    readers = _threads_reading_headers(monkeypatch)
-    monkeypatch.setattr(SocketFrames, "_wait_for_something", woken_once)
-    frames._wake(server=True)  # out of the wait it is in, into the one above
-    try:
-        wait_for(watching.is_set, "the stream's thread watching the socket")
-        a.send(np.arange(10.0), dst=1, tag=8)  # in the socket, unread
-        wait_for(lambda: frames._socket.wait_readable(0), "the message in the socket")
-        frames._last_read = time.monotonic()  # a waiting thread has just read the socket
-        woken_by_a_message.set()
-        wait_for(waiting_again.is_set, "the stream's thread waiting again")
-        received = {}
-        receive = lambda: received.update(array=b.recv(0, tag=8, timeout=10))  # noqa: E731
-        receiving = threading.Thread(target=receive, name="receiving")
-        receiving.start()
-        receiving.join(timeout=10)
-    finally:
-        done.set()
-        frames._wake(server=True)
-    np.testing.assert_array_equal(received["array"], np.arange(10.0))
-    assert readers == ["receiving"]
-
-
 def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when_the_sender_is_declared_failed(
     socket_pair, monkeypatch
 ):
