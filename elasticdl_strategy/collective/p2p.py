@@ -779,6 +779,11 @@ class _AwaitedOnSocket:
         """Whether the message has not come yet: neither here nor (read by another thread) to the mailbox."""
         return self.state is _Taking.WAITING and not self._mailbox.arrived(self.key)
 
+    def stop_waiting(self) -> None:
+        """Ends the wait here (the receive waits on, posted): :meth:`waiting` is false from now on."""
+        if self.state is _Taking.WAITING:
+            self.state = _Taking.PASSED
+
     def takes(self, src: int, header: peer_pb2.MessageHeader) -> bool:
         """Whether the message of ``header`` is the awaited one and goes into the sink (its payload
         next); one that does not fit, or on an aborted channel, goes to the mailbox."""
@@ -846,6 +851,7 @@ class _InboundStream:
             socket.read_while(self, awaited.waiting, time.monotonic() + seconds, seconds, spin_yield)
         finally:
             del self._awaited[me]
+            awaited.stop_waiting()
         return awaited.state is _Taking.TAKEN
 
     def attach_lane(self, lane: ReceiveLane) -> None:

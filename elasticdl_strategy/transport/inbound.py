@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Deque, Generator, Iterator, Optional, Protocol, Union
+from typing import Callable, Deque, Dict, Generator, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
@@ -189,6 +189,16 @@ class SocketFrames:
         self._closed = False
         self._reader: Optional[int] = None  # the thread in read_while, if any
         self._last_read = 0.0  # when a thread in read_while last stopped reading
+        # Threads read_while turned away since the socket was last handed over, by ident: their
+        # receive's waiting() (see _take_refused). Changed under _refused_lock.
+        self._refused: Dict[int, Callable[[], bool]] = {}
+        self._refused_lock = threading.Lock()
+        # Hand-overs to the server thread (hand_to_server, _hand_over), and how many of them had been
+        # made when the waiting thread that last read a frame took the socket: it is the server
+        # thread's while more were made (a hand-over made during a read outlasts that read).
+        self._hand_overs = 0
+        self._hand_overs_read = 0
+        self._hand_overs_seen = 0  # by the thread now in read_while, when it took the socket
         self._wake_lock = threading.Lock()  # the eventfds are written and closed under it
         self._wake_server = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_reader = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -196,6 +206,7 @@ class SocketFrames:
     def next_frame(self) -> Optional[bytes]:
         self._stop_reading()
         while True:
+            woken = False
             if not self._left:
                 readable = self._wait_for_something()
                 woken = _drain(self._wake_server)  # whatever woke it is looked at below
@@ -208,7 +219,10 @@ class SocketFrames:
                 if isinstance(item, Exception):
                     raise item
                 return item
-            if self._socket.wait_readable(0):  # not taken by a waiting thread meanwhile
+            # Woken by a message alone while a waiting thread reads here: that thread reads the next
+            # ones too (a link waking up after a step's computation), not the server thread, which
+            # would take them first and hand them over. Woken on purpose, it reads.
+            if (woken or not self._readers_active()) and self._socket.wait_readable(0):
                 return self._socket.recv_frame()
             self._stop_reading()
 
@@ -221,10 +235,27 @@ class SocketFrames:
         CPU and the GIL from them, for nothing. They wake it for what they leave to it.
         """
         quiet = time.monotonic() - self._last_read
-        if quiet < _READERS_GRACE_S:
+        if quiet < _READERS_GRACE_S and not self._handed():
             self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
             return False
         return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
+
+    def _readers_active(self) -> bool:
+        """Whether the socket is the waiting threads' now: one read it within :data:`_READERS_GRACE_S`
+        and it was not handed to the server thread since (:meth:`hand_to_server`, :meth:`_hand_over`)."""
+        return not self._handed() and time.monotonic() - self._last_read < _READERS_GRACE_S
+
+    def _handed(self) -> bool:
+        """Whether the socket is the server thread's: handed over since a waiting thread that took it
+        before read a frame."""
+        return self._hand_overs > self._hand_overs_read
+
+    def _hand_over(self, wake: bool = True) -> None:
+        """Makes the socket the server thread's until a waiting thread that takes it later reads from
+        it, and wakes the server thread (``wake``: unless it is the caller)."""
+        self._hand_overs += 1
+        if wake:
+            self._wake(server=True)
 
     def read_payload(self, writer: MessageWriter, nbytes: int) -> None:
         piece = min(nbytes, _SOCKET_PIECE)
@@ -267,12 +298,21 @@ class SocketFrames:
             thread reads the socket, the stream ended or something came that the server thread
             handles: the message then comes the usual way.
         """
+        me = threading.get_ident()
         if not self._reading.acquire(blocking=False):
-            return False
+            # It waits on its receive now, not reading: the thread holding the socket hands it to the
+            # server thread when it lets go. Then looks once more: that thread may have let go just now.
+            with self._refused_lock:
+                self._refused[me] = waiting
+            if not self._reading.acquire(blocking=False):
+                return False
+        with self._refused_lock:
+            self._refused.pop(me, None)
         if self._left:  # what was left for the server thread comes first
             self._reading.release()
             return False
-        self._reader = threading.get_ident()
+        self._reader = me
+        self._hand_overs_seen = self._hand_overs
         spin_until = time.monotonic() + spin_s
         try:
             while waiting():
@@ -293,16 +333,31 @@ class SocketFrames:
         finally:
             self._reader = None
             self._last_read = time.monotonic()
-            if self._left or self._socket.buffered():
-                self._wake(server=True)  # it waits for the socket, which says nothing of these
+            leftovers = bool(self._left) or self._socket.buffered()
             self._reading.release()
+            # Looked at after letting go, so that a thread turned away just before counts (it looked
+            # once more after saying so). Those still waiting look again only now and then: the
+            # server thread reads for them until a waiting thread reads here again.
+            if self._take_refused():
+                self._hand_over()
+            elif leftovers:
+                self._wake(server=True)  # it waits for the socket, which says nothing of these
+
+    def _take_refused(self) -> bool:
+        """Whether a thread turned away by :meth:`read_while` still waits for its message; forgets
+        them all (a hand-over serves each once: one turned away again says so again)."""
+        if not self._refused:
+            return False
+        with self._refused_lock:
+            refused, self._refused = self._refused, {}
+        return any(waiting() for waiting in refused.values())
 
     def hand_to_server(self) -> None:
         """Makes the server thread watch the socket again now, not after the waiting threads' grace
         (:data:`_READERS_GRACE_S`): for a thread about to block writing to any peer (the peer of
-        this socket may be blocked writing to us, waiting for it to be read)."""
-        self._last_read = 0.0
-        self._wake(server=True)
+        this socket may be blocked writing to us, waiting for it to be read). A thread reading the
+        socket meanwhile does not undo it; the next one to read from the socket does (it reads it all)."""
+        self._hand_over()
 
     def shutdown(self) -> None:
         """Ends the connection, from any thread (its sender failed): a thread reading a message that
@@ -343,6 +398,8 @@ class SocketFrames:
         (or the connection's failure) to the server thread."""
         try:
             frame = self._socket.recv_frame()
+            # A waiting thread reads here again: the socket is theirs, but for hand-overs since it took it.
+            self._hand_overs_read = max(self._hand_overs_read, self._hand_overs_seen)
             control = None if frames.is_chunk(frame) else frames.decode_control(frame)
             if control is None or not _read_by_waiting_threads(control):
                 self._left.append(frame)
@@ -361,6 +418,8 @@ class SocketFrames:
         if self._server_reads:
             self._server_reads = False
             self._reading.release()
+            if self._take_refused():  # turned away while it held the socket: it reads for them
+                self._hand_over(wake=False)
 
     def _wake(self, server: bool) -> None:
         with self._wake_lock:

@@ -19,7 +19,7 @@ from elasticdl_strategy.errors import (
     PeerFailureError,
     UsageError,
 )
-from elasticdl_strategy.transport import lanes
+from elasticdl_strategy.transport import inbound, lanes
 from elasticdl_strategy.transport.auth import new_token
 from elasticdl_strategy.transport.byte_paths import DataSocketPath
 from elasticdl_strategy.transport.data_socket import FrameSocket
@@ -547,6 +547,155 @@ def test_a_receive_that_finds_the_socket_taken_for_a_moment_reads_it_itself_soon
         frames._wake(server=True)
     assert "error" not in outcome, f"the receive failed: {outcome.get('error')!r}"
     np.testing.assert_array_equal(outcome["array"], np.arange(10.0))
+
+
+def test_the_stream_thread_woken_by_a_message_leaves_it_to_the_thread_that_just_read_the_socket(
+    socket_pair, monkeypatch
+):
+    # After a quiet spell the stream's thread watches the socket again, and the first message of a
+    # step wakes it as the waiting thread reads it. The next message is that thread's to read too:
+    # taken by the stream's thread it would be handed over (a thread hand-off per message).
+    _, a, b = socket_pair
+    frames = b._sockets[0].socket
+    watching, woken_by_a_message = threading.Event(), threading.Event()
+    waiting_again, done = threading.Event(), threading.Event()
+    wait_for_something = SocketFrames._wait_for_something
+
+    def woken_once(self):
+        if done.is_set():
+            return wait_for_something(self)
+        if not woken_by_a_message.is_set():
+            watching.set()
+            woken_by_a_message.wait(30)
+            inbound._drain(self._wake_server)  # the test's wake that brought it here, if still pending
+            return True  # as poll says when a message came (not its eventfd)
+        waiting_again.set()
+        self._socket.wait_until_woken(60.0, self._wake_server)
+        return False
+
+    readers = _threads_reading_headers(monkeypatch)
+    monkeypatch.setattr(SocketFrames, "_wait_for_something", woken_once)
+    frames._wake(server=True)  # out of the wait it is in, into the one above
+    try:
+        wait_for(watching.is_set, "the stream's thread watching the socket")
+        a.send(np.arange(10.0), dst=1, tag=8)  # in the socket, unread
+        wait_for(lambda: frames._socket.wait_readable(0), "the message in the socket")
+        frames._last_read = time.monotonic()  # a waiting thread has just read the socket
+        woken_by_a_message.set()
+        wait_for(waiting_again.is_set, "the stream's thread waiting again")
+        received = {}
+        receive = lambda: received.update(array=b.recv(0, tag=8, timeout=10))  # noqa: E731
+        receiving = threading.Thread(target=receive, name="receiving")
+        receiving.start()
+        receiving.join(timeout=10)
+    finally:
+        done.set()
+        frames._wake(server=True)
+    np.testing.assert_array_equal(received["array"], np.arange(10.0))
+    assert readers == ["receiving"]
+
+
+def _receiving(b, tag, results, name):
+    """A thread named ``name`` receiving ``tag`` from rank 0 into ``results[name]`` (the error if any)."""
+
+    def receive():
+        try:
+            results[name] = b.recv(0, tag=tag, timeout=10)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            results[name] = e
+
+    thread = threading.Thread(target=receive, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_thread_turned_away_from_the_socket_gets_its_message_after_the_reader_leaves(socket_pair, monkeypatch):
+    # Thread B is turned away while thread A reads and waits on its receive (its looks again made a
+    # minute apart here, as the stream thread's grace): A, leaving, hands the socket to the stream
+    # thread, which reads B's message when it comes.
+    _, a, b = socket_pair
+    frames = b._sockets[0].socket
+    for name in ("_REFUSED_FIRST_RETRY_S", "_NO_LANE_SLICE_S", "SWEEP_S"):
+        monkeypatch.setattr(p2p_module, name, 60.0)
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
+    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)  # every receive reads in its posted wait
+    readers, results = _threads_reading_headers(monkeypatch), {}
+    first = _receiving(b, 1, results, "A")
+    wait_for(lambda: frames._reader == first.ident, "A reading the socket")
+    second = _receiving(b, 2, results, "B")
+    wait_for(lambda: second.ident in frames._refused, "B turned away")
+    hand_overs = frames._hand_overs
+    a.send(np.arange(3.0), dst=1, tag=1)
+    first.join(timeout=10)
+    wait_for(lambda: frames._hand_overs > hand_overs, "A handing the socket over as it leaves")
+    a.send(np.arange(4.0), dst=1, tag=2)
+    second.join(timeout=10)
+    np.testing.assert_array_equal(results["A"], np.arange(3.0))
+    np.testing.assert_array_equal(results["B"], np.arange(4.0))
+    assert readers[0] == "A" and readers[1] not in ("A", "B")  # B's message: the stream thread's
+    assert frames._hand_overs - hand_overs == 1  # once: the stream thread did not go round handing over
+
+
+def test_a_thread_turned_away_just_as_the_reader_leaves_takes_the_socket_itself(socket_pair, monkeypatch):
+    # B is turned away while A reads, but says so only after A, leaving, looked for threads turned
+    # away: B then looks once more and reads its message itself, or, if the stream thread took the
+    # socket meanwhile, that thread reads it for B (it looks for threads turned away when it lets go).
+    _, a, b = socket_pair
+    frames = b._sockets[0].socket
+    for name in ("_REFUSED_FIRST_RETRY_S", "_NO_LANE_SLICE_S", "SWEEP_S"):
+        monkeypatch.setattr(p2p_module, name, 60.0)
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
+    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)
+    turned_away, looked = threading.Event(), threading.Event()
+
+    class Refusals(dict):
+        def __setitem__(self, thread, waiting):
+            if threading.current_thread().name == "B":
+                turned_away.set()
+                looked.wait(10)  # says so only after A looked
+            super().__setitem__(thread, waiting)
+
+    take_refused = SocketFrames._take_refused
+
+    def looking(self):
+        found = take_refused(self)
+        if threading.current_thread().name == "A":
+            looked.set()
+        return found
+
+    frames._refused = Refusals()
+    monkeypatch.setattr(SocketFrames, "_take_refused", looking)
+    readers, results = _threads_reading_headers(monkeypatch), {}
+    first = _receiving(b, 1, results, "A")
+    wait_for(lambda: frames._reader == first.ident, "A reading the socket")
+    second = _receiving(b, 2, results, "B")
+    assert turned_away.wait(10)
+    a.send(np.arange(3.0), dst=1, tag=1)
+    first.join(timeout=10)
+    a.send(np.arange(4.0), dst=1, tag=2)
+    second.join(timeout=10)
+    np.testing.assert_array_equal(results["B"], np.arange(4.0))  # not after a minute's grace or retry
+    assert readers[0] == "A" and len(readers) == 2
+
+
+def test_a_hand_over_to_the_stream_thread_during_a_read_outlasts_the_read(socket_pair, monkeypatch):
+    # A thread about to block writing hands the socket to the stream thread (the peer may be blocked
+    # writing to us) while another thread reads it: the hand-over stands when that read ends, and a
+    # message nobody waits for is read at once, not after the readers' grace (a minute here).
+    _, a, b = socket_pair
+    frames = b._sockets[0].socket
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
+    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)  # T holds the socket until its message
+    readers, results = _threads_reading_headers(monkeypatch), {}
+    reading = _receiving(b, 1, results, "T")
+    wait_for(lambda: frames._reader == reading.ident, "T reading the socket")
+    frames.hand_to_server()
+    a.send(np.arange(3.0), dst=1, tag=1)
+    reading.join(timeout=10)
+    a.send(np.arange(5.0), dst=1, tag=3)  # nobody waits for it
+    wait_for(lambda: len(readers) == 2, "the stream thread reading the message nobody waits for")
+    assert readers[0] == "T" and readers[1] != "T"
+    np.testing.assert_array_equal(b.recv(0, tag=3, timeout=10), np.arange(5.0))
 
 
 def test_a_receive_reading_a_message_whose_sender_hangs_in_the_middle_fails_when_the_sender_is_declared_failed(
