@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Deque, Dict, Generator, Iterator, Optional, Protocol, Union
+from typing import Callable, Deque, Dict, Generator, Iterator, List, Optional, Protocol, Union
 
 import numpy as np
 
@@ -193,6 +193,7 @@ class SocketFrames:
         # receive's waiting() (see _take_refused). Changed under _refused_lock.
         self._refused: Dict[int, Callable[[], bool]] = {}
         self._refused_lock = threading.Lock()
+        self._served: List[Callable[[], bool]] = []  # the waiting() of those hand-overs were for
         # Hand-overs to the server thread (hand_to_server, _hand_over), and how many of them had been
         # made when the waiting thread that last read a frame took the socket: it is the server
         # thread's while more were made (a hand-over made during a read outlasts that read).
@@ -338,19 +339,30 @@ class SocketFrames:
             # Looked at after letting go, so that a thread turned away just before counts (it looked
             # once more after saying so). Those still waiting look again only now and then: the
             # server thread reads for them until a waiting thread reads here again.
-            if self._take_refused():
+            if self._take_refused() or self._still_served():
                 self._hand_over()
             elif leftovers:
                 self._wake(server=True)  # it waits for the socket, which says nothing of these
 
     def _take_refused(self) -> bool:
         """Whether a thread turned away by :meth:`read_while` still waits for its message; forgets
-        them all (a hand-over serves each once: one turned away again says so again)."""
+        them all (a hand-over serves each once: one turned away again says so again), keeping those
+        still waiting as the ones the hand-over is for (:meth:`_still_served`)."""
         if not self._refused:
             return False
         with self._refused_lock:
             refused, self._refused = self._refused, {}
-        return any(waiting() for waiting in refused.values())
+        waiting = [still for still in refused.values() if still()]
+        if waiting:
+            self._served = [still for still in self._served if still()] + waiting
+        return bool(waiting)
+
+    def _still_served(self) -> bool:
+        """Whether a thread a hand-over was for still waits: a reader that took the socket since read
+        its own message and ended that hand-over, so the one leaving hands it over again."""
+        served = [still for still in self._served if still()]
+        self._served = served
+        return bool(served)
 
     def hand_to_server(self) -> None:
         """Makes the server thread watch the socket again now, not after the waiting threads' grace

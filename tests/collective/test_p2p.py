@@ -609,19 +609,29 @@ def _receiving(b, tag, results, name):
     return thread
 
 
+def _looking_again_after_a_minute(monkeypatch):
+    """Receives started from now on, turned away from a socket, look again only after a minute (as
+    the stream thread's grace in these tests): only a hand-over gets them their message soon.
+    Returns a function that makes receives started after it look again soon."""
+    saved = {name: getattr(p2p_module, name) for name in ("_REFUSED_FIRST_RETRY_S", "_NO_LANE_SLICE_S")}
+    for name in saved:
+        monkeypatch.setattr(p2p_module, name, 60.0)
+    return lambda: [setattr(p2p_module, name, value) for name, value in saved.items()]
+
+
 def test_a_thread_turned_away_from_the_socket_gets_its_message_after_the_reader_leaves(socket_pair, monkeypatch):
     # Thread B is turned away while thread A reads and waits on its receive (its looks again made a
     # minute apart here, as the stream thread's grace): A, leaving, hands the socket to the stream
     # thread, which reads B's message when it comes.
     _, a, b = socket_pair
     frames = b._sockets[0].socket
-    for name in ("_REFUSED_FIRST_RETRY_S", "_NO_LANE_SLICE_S", "SWEEP_S"):
-        monkeypatch.setattr(p2p_module, name, 60.0)
+    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
     monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
     monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)  # every receive reads in its posted wait
     readers, results = _threads_reading_headers(monkeypatch), {}
     first = _receiving(b, 1, results, "A")
     wait_for(lambda: frames._reader == first.ident, "A reading the socket")
+    _looking_again_after_a_minute(monkeypatch)  # B, from here on
     second = _receiving(b, 2, results, "B")
     wait_for(lambda: second.ident in frames._refused, "B turned away")
     hand_overs = frames._hand_overs
@@ -636,14 +646,40 @@ def test_a_thread_turned_away_from_the_socket_gets_its_message_after_the_reader_
     assert frames._hand_overs - hand_overs == 1  # once: the stream thread did not go round handing over
 
 
+def test_a_reader_that_ends_a_hand_over_hands_it_over_again_for_a_thread_still_waiting(socket_pair, monkeypatch):
+    # A hands the socket over for B as it leaves; C then takes it and reads its own message, which
+    # ends that hand-over: leaving, C hands it over again, since B still waits.
+    _, a, b = socket_pair
+    frames = b._sockets[0].socket
+    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
+    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)
+    readers, results = _threads_reading_headers(monkeypatch), {}
+    first = _receiving(b, 1, results, "A")
+    wait_for(lambda: frames._reader == first.ident, "A reading the socket")
+    restore = _looking_again_after_a_minute(monkeypatch)  # B, from here on
+    second = _receiving(b, 2, results, "B")
+    wait_for(lambda: second.ident in frames._refused, "B turned away")
+    a.send(np.arange(3.0), dst=1, tag=1)
+    first.join(timeout=10)
+    restore()  # C looks again soon, as every receive does
+    third = _receiving(b, 3, results, "C")
+    wait_for(lambda: frames._reader == third.ident, "C reading the socket")
+    a.send(np.arange(6.0), dst=1, tag=3)
+    third.join(timeout=10)
+    a.send(np.arange(4.0), dst=1, tag=2)
+    second.join(timeout=10)
+    np.testing.assert_array_equal(results["B"], np.arange(4.0))  # not after a minute's grace or retry
+    assert readers[:2] == ["A", "C"] and readers[2] not in ("A", "B", "C")
+
+
 def test_a_thread_turned_away_just_as_the_reader_leaves_takes_the_socket_itself(socket_pair, monkeypatch):
     # B is turned away while A reads, but says so only after A, leaving, looked for threads turned
     # away: B then looks once more and reads its message itself, or, if the stream thread took the
     # socket meanwhile, that thread reads it for B (it looks for threads turned away when it lets go).
     _, a, b = socket_pair
     frames = b._sockets[0].socket
-    for name in ("_REFUSED_FIRST_RETRY_S", "_NO_LANE_SLICE_S", "SWEEP_S"):
-        monkeypatch.setattr(p2p_module, name, 60.0)
+    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
     monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
     monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)
     turned_away, looked = threading.Event(), threading.Event()
@@ -668,6 +704,7 @@ def test_a_thread_turned_away_just_as_the_reader_leaves_takes_the_socket_itself(
     readers, results = _threads_reading_headers(monkeypatch), {}
     first = _receiving(b, 1, results, "A")
     wait_for(lambda: frames._reader == first.ident, "A reading the socket")
+    _looking_again_after_a_minute(monkeypatch)  # B, from here on
     second = _receiving(b, 2, results, "B")
     assert turned_away.wait(10)
     a.send(np.arange(3.0), dst=1, tag=1)
@@ -754,7 +791,7 @@ def _sent_while_the_receive_reads(monkeypatch, send) -> None:
     waiting = _AwaitedOnSocket.waiting
 
     def sending_once(self):
-        if not sent:
+        if not sent and threading.current_thread() is threading.main_thread():  # not a thread asking for it
             sent.append(send())
         return waiting(self)
 
