@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Deque, Dict, Generator, Iterator, List, Optional, Protocol, Union
+from typing import Callable, Deque, Dict, Generator, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
@@ -190,10 +190,10 @@ class SocketFrames:
         self._reader: Optional[int] = None  # the thread in read_while, if any
         self._last_read = 0.0  # when a thread in read_while last stopped reading
         # Threads read_while turned away since the socket was last handed over, by ident: their
-        # receive's waiting() (see _take_refused). Changed under _refused_lock.
+        # receive's waiting() (see _take_refused). Both dicts are changed under _refused_lock.
         self._refused: Dict[int, Callable[[], bool]] = {}
         self._refused_lock = threading.Lock()
-        self._served: List[Callable[[], bool]] = []  # the waiting() of those hand-overs were for
+        self._served: Dict[int, Callable[[], bool]] = {}  # those hand-overs were for, likewise
         # Hand-overs to the server thread (hand_to_server, _hand_over), and how many of them had been
         # made when the waiting thread that last read a frame took the socket: it is the server
         # thread's while more were made (a hand-over made during a read outlasts that read).
@@ -352,17 +352,18 @@ class SocketFrames:
             return False
         with self._refused_lock:
             refused, self._refused = self._refused, {}
-        waiting = [still for still in refused.values() if still()]
-        if waiting:
-            self._served = [still for still in self._served if still()] + waiting
+            waiting = {thread: still for thread, still in refused.items() if still()}
+            self._served.update(waiting)
         return bool(waiting)
 
     def _still_served(self) -> bool:
         """Whether a thread a hand-over was for still waits: a reader that took the socket since read
         its own message and ended that hand-over, so the one leaving hands it over again."""
-        served = [still for still in self._served if still()]
-        self._served = served
-        return bool(served)
+        if not self._served:
+            return False
+        with self._refused_lock:
+            self._served = {thread: still for thread, still in self._served.items() if still()}
+            return bool(self._served)
 
     def hand_to_server(self) -> None:
         """Makes the server thread watch the socket again now, not after the waiting threads' grace
