@@ -174,6 +174,13 @@ class SocketFrames:
     reads and does not handle (a frame other than a message's header, a broken connection)
     it leaves in ``_left`` for the server thread, and wakes it.
 
+    Who reads when: while waiting threads read the socket (one did within
+    :data:`_READERS_GRACE_S`) it is theirs, and the server thread neither watches it nor, woken
+    by a message anyway, reads it. It becomes the server thread's again when the grace passes,
+    or when it is handed over (:meth:`hand_to_server`; a thread letting go of it while a thread
+    it turned away still waits, since that one sleeps on its receive), until a waiting thread that
+    takes it afterwards reads a frame there.
+
     Args:
         data_socket: the connection.
         grpc_frames: the rest of the gRPC call, which must end without another frame.
