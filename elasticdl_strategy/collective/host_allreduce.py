@@ -251,14 +251,9 @@ class HostAllreduce:
         else:
             slots = self._slots_of(parity, flat)
             np.copyto(slots[segment.rank], flat)
-        count = self._publish(note)
-        if not segment.all_arrived(count):
-            elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
-            if elsewhere:
-                return elsewhere
-        differing = segment.not_noted(count, note)
-        if differing:
-            return {r: segment.note(r, count) for r in differing}
+        elsewhere = self._arrive(call, note, healthy, differs)
+        if elsewhere:
+            return elsewhere
         if in_place:
             term = self._array_term(call.p2p, flat, self._addresses_of(parity))
             self._reduce_in_place(call, flat, ufunc, parity, note, healthy, term)
@@ -295,14 +290,9 @@ class HostAllreduce:
         parity = self._calls % 2
         mine = Pieces(pieces, offsets)
         self._publish_table(parity, flat, mine)
-        count = self._publish(note)
-        if not segment.all_arrived(count):
-            elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
-            if elsewhere:
-                return elsewhere
-        differing = segment.not_noted(count, note)
-        if differing:
-            return {r: segment.note(r, count) for r in differing}
+        elsewhere = self._arrive(call, note, healthy, differs)
+        if elsewhere:
+            return elsewhere
         tables = [self._table_of(r, parity, flat.itemsize) for r in range(segment.ranks)]
         self._reduce_in_place(call, flat, ufunc, parity, note, healthy, self._pieces_term(call.p2p, mine, tables))
         return {}
@@ -326,6 +316,20 @@ class HostAllreduce:
         rows = words[_TABLE_HEADER_WORDS : _TABLE_HEADER_WORDS + _PIECE_WORDS * count].reshape(count, _PIECE_WORDS)
         rows = rows.astype(np.int64)  # a copy: the slot is written again two calls later
         return PieceTable(rows[:, 0], rows[:, 1], rows[:, 2], itemsize)
+
+    def _arrive(
+        self, call: CollectiveCall, note: bytes, healthy: Callable[[], None], differs: Callable[[bytes, bytes], bool]
+    ) -> Dict[int, bytes]:
+        """Publishes this rank's first arrival of a call (what it put in its slot, and ``note``) and waits
+        for every rank's: ``{rank: its note}`` of ranks found doing something else, empty when every
+        rank published ``note``."""
+        segment = self._segment
+        count = self._publish(note)
+        if not segment.all_arrived(count):
+            elsewhere = self._wait(call, count, healthy, lambda theirs: differs(note, theirs))
+            if elsewhere:
+                return elsewhere
+        return {r: segment.note(r, count) for r in segment.not_noted(count, note)}
 
     def _publish(self, note: bytes) -> int:
         """Publishes this rank's next arrival (its slot and ``note``); returns its count."""

@@ -675,11 +675,7 @@ def test_ranks_that_disagree_on_reading_pieces_all_raise_mismatch():
             return c.allreduce(out, out=out)
         return c.allreduce_pieces([np.ones(2000, np.float32), np.ones(2000, np.float32)], [0, 3000], out)
 
-    with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
-        results = cluster.run_outcomes(program, timeout=30)
-    for rank, outcome in enumerate(results):
-        assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
-        assert "allreduce_pieces" in str(outcome)
+    _every_rank_raises_mismatch(program, "allreduce_pieces")
 
 
 def test_ranks_that_pass_different_numbers_of_pieces_all_raise_mismatch():
@@ -688,11 +684,16 @@ def test_ranks_that_pass_different_numbers_of_pieces_all_raise_mismatch():
         pieces = [np.ones(2000, np.float32)] * (2 if c.rank == 1 else 3)
         return c.allreduce_pieces(pieces, [0, 2000, 4000][: len(pieces)], np.zeros(6000, np.float32))
 
+    _every_rank_raises_mismatch(program, "shape")
+
+
+def _every_rank_raises_mismatch(program, naming: str) -> None:
+    """Runs ``program`` on 3 ranks (slots of 4 KiB): each raises CollectiveMismatchError naming ``naming``."""
     with ThreadCluster(3, transport_options("host-segment", host_segment_bytes=4096)) as cluster:
         results = cluster.run_outcomes(program, timeout=30)
     for rank, outcome in enumerate(results):
         assert isinstance(outcome, CollectiveMismatchError), (rank, outcome)
-        assert "shape" in str(outcome)
+        assert naming in str(outcome)
 
 
 def test_a_peer_whose_process_is_gone_fails_an_allreduce_of_pieces_at_once():

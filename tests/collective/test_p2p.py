@@ -609,6 +609,14 @@ def _receiving(b, tag, results, name):
     return thread
 
 
+def _receives_read_in_their_posted_waits(monkeypatch, b) -> None:
+    """No direct takes on ``b`` (a receive reads the socket in its posted wait, as long as it waits),
+    and the stream thread's grace and the callers' sweeps made a minute."""
+    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
+    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)
+
+
 def _looking_again_after_a_minute(monkeypatch):
     """Receives started from now on, turned away from a socket, look again only after a minute (as
     the stream thread's grace in these tests): only a hand-over gets them their message soon.
@@ -651,9 +659,7 @@ def test_a_reader_that_ends_a_hand_over_hands_it_over_again_for_a_thread_still_w
     # ends that hand-over: leaving, C hands it over again, since B still waits.
     _, a, b = socket_pair
     frames = b._sockets[0].socket
-    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
-    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
-    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)
+    _receives_read_in_their_posted_waits(monkeypatch, b)
     readers, results = _threads_reading_headers(monkeypatch), {}
     first = _receiving(b, 1, results, "A")
     wait_for(lambda: frames._reader == first.ident, "A reading the socket")
@@ -679,9 +685,7 @@ def test_a_thread_turned_away_just_as_the_reader_leaves_takes_the_socket_itself(
     # socket meanwhile, that thread reads it for B (it looks for threads turned away when it lets go).
     _, a, b = socket_pair
     frames = b._sockets[0].socket
-    monkeypatch.setattr(p2p_module, "SWEEP_S", 60.0)
-    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
-    monkeypatch.setattr(b, "_direct_take", lambda src, sink: None)
+    _receives_read_in_their_posted_waits(monkeypatch, b)
     turned_away, looked = threading.Event(), threading.Event()
 
     class Refusals(dict):

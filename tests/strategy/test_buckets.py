@@ -315,19 +315,24 @@ SIZES = [8 * 32, 32, 32 * 32, 32, 32 * 16, 16, 16 * 2, 2]
 BUCKET_BYTES = 4096
 
 
-@pytest.mark.slow
-def test_training_with_several_buckets_matches_one_process(tmp_path):
+def _train_with_two_workers_and_alone(tmp_path, args, env=None):
+    """Runs tests/workers/strategy_buckets.py (with ``args``) as a launcher job of 2 workers (``env``)
+    and alone, side by side; returns (the reference's report, the two workers' reports)."""
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     command = [sys.executable, worker_script("strategy_buckets.py")]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the job and the reference side by side
-        job = pool.submit(run_job, 2, command + [str(tmp_path / "two")], timeout=240)
-        alone = pool.submit(run_alone, command + [str(tmp_path / "one")], timeout=240)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        job = pool.submit(run_job, 2, command + [str(tmp_path / "two"), *args], timeout=240, env=env)
+        alone = pool.submit(run_alone, command + [str(tmp_path / "one"), *args], timeout=240)
         job, alone = job.result(), alone.result()
     assert job.returncode == 0, job.stderr[-3000:]
     assert alone.returncode == 0, alone.stderr[-3000:]
-    reference = read_reports(tmp_path / "one", [0])[0]
-    workers = read_reports(tmp_path / "two", [0, 1])
+    return read_reports(tmp_path / "one", [0])[0], read_reports(tmp_path / "two", [0, 1])
+
+
+@pytest.mark.slow
+def test_training_with_several_buckets_matches_one_process(tmp_path):
+    reference, workers = _train_with_two_workers_and_alone(tmp_path, [])
 
     plan = plan_buckets(SIZES, [np.float64] * len(SIZES), BUCKET_BYTES)
     lengths = [bucket_layout([SIZES[i] for i in b.members], np.float64)[1] for b in plan]
@@ -359,18 +364,8 @@ def test_training_with_several_buckets_matches_one_process(tmp_path):
 def test_training_with_buckets_read_where_they_lie_matches_one_process(tmp_path):
     # Slots of 4 KiB: the 8.4 KiB bucket (dense_1's kernel) is read where it lies in the other
     # worker's process (single copy), the smaller ones go through the slots.
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    command = [sys.executable, worker_script("strategy_buckets.py")]
     env = {**os.environ, "EDL_HOST_SEGMENT_BYTES": "4096"}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        job = pool.submit(run_job, 2, command + [str(tmp_path / "two"), "graph,eager"], timeout=240, env=env)
-        alone = pool.submit(run_alone, command + [str(tmp_path / "one"), "graph,eager"], timeout=240)
-        job, alone = job.result(), alone.result()
-    assert job.returncode == 0, job.stderr[-3000:]
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    reference = read_reports(tmp_path / "one", [0])[0]
-    workers = read_reports(tmp_path / "two", [0, 1])
+    reference, workers = _train_with_two_workers_and_alone(tmp_path, ["graph,eager"], env)
     plan = plan_buckets(SIZES, [np.float64] * len(SIZES), BUCKET_BYTES)
     lengths = [bucket_layout([SIZES[i] for i in b.members], np.float64)[1] for b in plan]
     expected = [[[n], "float64", "pieces" if n * 8 > 4096 else None] for n in lengths] + [[[1], "float64", None]]
