@@ -703,11 +703,11 @@ def test_a_thread_turned_away_just_as_the_reader_leaves_takes_the_socket_itself(
             looked.set()
         return found
 
-    frames._refused = Refusals()
     monkeypatch.setattr(SocketFrames, "_take_refused", looking)
     readers, results = _threads_reading_headers(monkeypatch), {}
     first = _receiving(b, 1, results, "A")
     wait_for(lambda: frames._reader == first.ident, "A reading the socket")
+    frames._refused = Refusals()  # now: one turned away before (A itself) may have been taken already
     _looking_again_after_a_minute(monkeypatch)  # B, from here on
     second = _receiving(b, 2, results, "B")
     assert turned_away.wait(10)
