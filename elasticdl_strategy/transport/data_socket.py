@@ -149,6 +149,16 @@ class FrameSocket:
         pending = getattr(self._sock, "pending", None)  # TLS: records decrypted but not read
         return pending is not None and pending() > 0
 
+    def buffered_bytes(self) -> int:
+        """How many read-ahead bytes a read has not taken (TLS records not decrypted yet not counted)."""
+        return self._end - self._start
+
+    def frame_buffered(self) -> bool:
+        """Whether a whole control frame came in that a read has not taken (:meth:`recv_frame` returns it
+        without waiting for the network)."""
+        n = self._end - self._start
+        return n >= _LENGTH.size and n - _LENGTH.size >= _LENGTH.unpack_from(self._buffer, self._start)[0]
+
     def wait_readable(self, timeout: Optional[float], wake_fd: Optional[int] = None) -> bool:
         """Waits up to ``timeout`` seconds (``None``: no limit) for something to read (bytes, or the
         connection's end); returns whether there is, False at once when ``wake_fd`` becomes readable."""

@@ -204,6 +204,60 @@ def test_a_thread_waiting_for_messages_reads_them_itself_and_leaves_the_goodbye_
     assert receiver.delivered_by == [threading.current_thread().name] * 4
 
 
+def _first_of(receiver: Receiver, sent_before_reading):
+    """A ``waiting()`` for the first message, which calls ``sent_before_reading`` once, with the socket held."""
+    sent: list = []
+
+    def waiting():
+        if not sent:
+            sent.append(sent_before_reading())
+        return not (receiver.messages and receiver.messages[0].finished)
+
+    return waiting
+
+
+def test_messages_that_came_whole_with_the_awaited_one_are_delivered_by_the_waiting_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    wakes = []
+    wake = receiver.socket._wake
+    receiver.socket._wake = lambda server: (wakes.append(server), wake(server))[1]
+    payloads = [b"awaited", b"next step's", bytes(range(256)) * 100]
+
+    def send_all():  # in one write: they are all in the socket before the first is read
+        data = b"".join(_framed(sequence, payload) for sequence, payload in enumerate(payloads))
+        server.sending._sock.sendall(data)
+
+    assert receiver.socket.read_while(receiver, _first_of(receiver, send_all), time.monotonic() + 10)
+    assert receiver.delivered_by == [threading.current_thread().name] * 3
+    assert receiver.payloads() == payloads and wakes == []  # the server thread was not woken for them
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+def test_a_message_that_came_with_the_awaited_one_but_not_all_of_its_payload_is_left_to_the_server_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    second = bytes(range(256)) * 16
+
+    def send_with_half_of_the_second():
+        server.sending._sock.sendall(_framed(0, b"awaited") + _framed(1, second)[: -len(second) // 2])
+
+    waiting = _first_of(receiver, send_with_half_of_the_second)
+    assert receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)
+    server.sending._sock.sendall(second[-len(second) // 2 :])
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+    assert receiver.payloads() == [b"awaited", second]
+    assert receiver.delivered_by == [threading.current_thread().name, "stream-server"]
+
+
+def _framed(sequence: int, payload: bytes) -> bytes:
+    """A message as ``FrameSocket.send_frame`` writes it: length, header, payload."""
+    header = frames.encode_header(_header(sequence, len(payload)))
+    return struct.pack("<I", len(header)) + header + payload
+
+
 def test_a_message_larger_than_a_waiting_thread_reads_is_left_to_the_server_thread():
     receiver = Receiver()
     server = ServerThread(receiver)
