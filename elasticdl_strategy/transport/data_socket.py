@@ -28,7 +28,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from elasticdl_strategy.errors import ConfigError, DataSocketClosed
 from elasticdl_strategy.transport.refusals import RefusalLog, normalize_host
@@ -149,15 +149,18 @@ class FrameSocket:
         pending = getattr(self._sock, "pending", None)  # TLS: records decrypted but not read
         return pending is not None and pending() > 0
 
-    def buffered_bytes(self) -> int:
-        """How many read-ahead bytes a read has not taken (TLS records not decrypted yet not counted)."""
-        return self._end - self._start
-
-    def frame_buffered(self) -> bool:
-        """Whether a whole control frame came in that a read has not taken (:meth:`recv_frame` returns it
-        without waiting for the network)."""
+    def peek_frame(self) -> Tuple[Optional[bytes], int]:
+        """The next control frame if it came in whole (:meth:`recv_frame` would return it without
+        waiting for the network), left unread, and how many bytes came after it; ``(None, 0)`` otherwise."""
         n = self._end - self._start
-        return n >= _LENGTH.size and n - _LENGTH.size >= _LENGTH.unpack_from(self._buffer, self._start)[0]
+        if n < _LENGTH.size:
+            return None, 0
+        (length,) = _LENGTH.unpack_from(self._buffer, self._start)
+        after = n - _LENGTH.size - length
+        if after < 0:
+            return None, 0
+        begin = self._start + _LENGTH.size
+        return bytes(self._view[begin : begin + length]), after
 
     def wait_readable(self, timeout: Optional[float], wake_fd: Optional[int] = None) -> bool:
         """Waits up to ``timeout`` seconds (``None``: no limit) for something to read (bytes, or the

@@ -293,10 +293,10 @@ class SocketFrames:
         """In a thread waiting for a message of this stream: unless another thread reads the socket,
         reads it and delivers to ``receiver`` every message that comes, while ``waiting()`` and
         until ``deadline`` (``time.monotonic()``); :meth:`wake_reader` makes it look at
-        ``waiting()`` again at once; then the messages that already came whole with the last one
-        (:meth:`_read_buffered`). For the first ``spin_s`` seconds it looks at the socket again
-        and again rather than sleep until something comes (a sleeping thread takes tens of
-        microseconds to wake), offering its core to other threads between looks if ``spin_yield``.
+        ``waiting()`` again at once; then, if it read any, the messages that already came whole
+        with the last one (:meth:`_read_buffered`). For the first ``spin_s`` seconds it looks at
+        the socket again and again rather than sleep until something comes (a sleeping thread takes
+        tens of microseconds to wake), offering its core to other threads between looks if ``spin_yield``.
         A message it began to read it reads to the end (at most
         :data:`WAITING_THREAD_READS_AT_MOST` bytes, so the deadline is overrun by one such
         transfer at most): a sender that stops in the middle of one holds it until
@@ -323,6 +323,7 @@ class SocketFrames:
         self._reader = me
         self._hand_overs_seen = self._hand_overs
         spin_until = time.monotonic() + spin_s
+        read = False
         try:
             while waiting():
                 now = time.monotonic()
@@ -338,7 +339,9 @@ class SocketFrames:
                     continue
                 if not self._read_message(receiver):
                     return False
-            self._read_buffered(receiver)
+                read = True
+            if read:  # not for a thread that read nothing: it must not end a hand-over (see _handed)
+                self._read_buffered(receiver)
             return True
         finally:
             self._reader = None
@@ -419,23 +422,34 @@ class SocketFrames:
         """Delivers the messages that came whole with the one a waiting thread read (a peer a step
         ahead sent its next ones), rather than wake the server thread for them: that would cost a
         thread switch per message, and with more workers than cores a time slice."""
-        while self._socket.frame_buffered() and self._read_message(receiver, buffered_only=True):
+        while not self._closed and self._whole_message_buffered() and self._read_message(receiver):
             pass
 
-    def _read_message(self, receiver: StreamReceiver, buffered_only: bool = False) -> bool:
+    def _whole_message_buffered(self) -> bool:
+        """Whether the next message came in whole and is one a waiting thread reads (reading it waits
+        for nothing); one that has not is left where it is, for the next reader."""
+        frame, after = self._socket.peek_frame()
+        if frame is None or frames.is_chunk(frame):
+            return False
+        try:
+            control = frames.decode_control(frame)
+        except Exception:  # noqa: BLE001 - left to be read the usual way, which fails the stream with it
+            return False
+        if not _read_by_waiting_threads(control):
+            return False
+        header = control.header
+        payload = 0 if header.inline_data else header.nbytes
+        return payload <= after
+
+    def _read_message(self, receiver: StreamReceiver) -> bool:
         """Reads one frame in a waiting thread and delivers its message; False if it left the frame
-        (or the connection's failure) to the server thread, as it does with a message whose payload
-        has not all come yet if ``buffered_only``."""
+        (or the connection's failure) to the server thread."""
         try:
             frame = self._socket.recv_frame()
             # A waiting thread reads here again: the socket is theirs, but for hand-overs since it took it.
             self._hand_overs_read = max(self._hand_overs_read, self._hand_overs_seen)
             control = None if frames.is_chunk(frame) else frames.decode_control(frame)
-            if (
-                control is None
-                or not _read_by_waiting_threads(control)
-                or (buffered_only and _on_socket(control.header) > self._socket.buffered_bytes())
-            ):
+            if control is None or not _read_by_waiting_threads(control):
                 self._left.append(frame)
                 return False
             deliver(self, receiver, control.header)
@@ -471,11 +485,6 @@ def _read_by_waiting_threads(control: peer_pb2.Frame) -> bool:
         return False
     header = control.header
     return not header.HasField("shared_chunk") and header.nbytes <= WAITING_THREAD_READS_AT_MOST
-
-
-def _on_socket(header: peer_pb2.MessageHeader) -> int:
-    """How many payload bytes of the message of ``header`` follow it on the socket."""
-    return 0 if header.inline_data else header.nbytes
 
 
 def _drain(fd: int) -> bool:

@@ -244,12 +244,77 @@ def test_a_message_that_came_with_the_awaited_one_but_not_all_of_its_payload_is_
         server.sending._sock.sendall(_framed(0, b"awaited") + _framed(1, second)[: -len(second) // 2])
 
     waiting = _first_of(receiver, send_with_half_of_the_second)
-    assert receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)
-    server.sending._sock.sendall(second[-len(second) // 2 :])
+    returned: list = []
+    reading = threading.Thread(
+        target=lambda: returned.append(receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)),
+        name="reading",
+    )
+    reading.start()
+    try:  # it returns with its message, not waiting for the rest of the next one
+        wait_for(lambda: returned, "the waiting thread returns", timeout=5)
+    finally:
+        server.sending._sock.sendall(second[-len(second) // 2 :])
+        reading.join(timeout=10)
     server.sending.send_frame(GOODBYE)
     assert server.finish()["goodbye"].reason == "done"
-    assert receiver.payloads() == [b"awaited", second]
-    assert receiver.delivered_by == [threading.current_thread().name, "stream-server"]
+    assert returned == [True] and receiver.payloads() == [b"awaited", second]
+    assert receiver.delivered_by == ["reading", "stream-server"]
+
+
+def test_no_message_is_delivered_from_a_stream_that_already_ended():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    out_of_place = frames.encode_data_socket_attached()  # ends the stream in the server thread
+    later = _framed(0, b"after the end") + _framed(1, b"and this")
+    server.sending._sock.sendall(struct.pack("<I", len(out_of_place)) + out_of_place + later)
+    assert isinstance(server.finish().get("error"), ValueError)
+    receiver.socket.read_while(receiver, lambda: False, time.monotonic() + 1)  # its message had come
+    receiver.socket.read_while(receiver, lambda: True, time.monotonic() + 1)
+    assert receiver.messages == []
+
+
+def test_a_thread_that_read_its_message_delivers_nothing_more_once_the_stream_is_closed():
+    sending, receiving = socket.socketpair()
+    frames_socket = SocketFrames(FrameSocket(receiving, MAX_FRAME), iter([]))  # no server thread: closed here
+    receiver = Receiver()
+    on_header = receiver.on_header
+    closing: List[threading.Thread] = []
+
+    def closed_while_delivering(header):  # the stream ends (its server thread failed) mid-delivery
+        closing.append(threading.Thread(target=frames_socket.close))
+        closing[0].start()
+        wait_for(lambda: frames_socket._closed, "the stream closed")
+        return on_header(header)
+
+    receiver.on_header = closed_while_delivering
+    waiting = _first_of(receiver, lambda: sending.sendall(_framed(0, b"awaited") + _framed(1, b"next")))
+    try:
+        assert frames_socket.read_while(receiver, waiting, time.monotonic() + 10)
+    finally:
+        for thread in closing:
+            thread.join(timeout=10)
+        sending.close()
+    assert receiver.payloads() == [b"awaited"]
+
+
+def test_a_thread_that_waited_for_nothing_leaves_a_hand_over_as_it_is():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    frames_socket = receiver.socket
+    assert frames_socket._reading.acquire(blocking=False)  # as a waiting thread holding it
+    try:
+        server.sending._sock.sendall(_framed(0, b"a") + _framed(1, b"b"))
+        wait_for(lambda: frames_socket._socket.wait_readable(0), "the messages in the socket")
+        frames_socket._socket._fill()  # both in the read-ahead buffer
+        frames_socket._last_read = time.monotonic()
+        frames_socket.hand_to_server()  # a thread about to block writing
+    finally:
+        frames_socket._reading.release()
+    frames_socket.read_while(receiver, lambda: False, time.monotonic() + 1)  # its message had come
+    assert frames_socket._handed()
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+    assert receiver.payloads() == [b"a", b"b"]
 
 
 def _framed(sequence: int, payload: bytes) -> bytes:
