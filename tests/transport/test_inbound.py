@@ -238,27 +238,53 @@ def test_messages_that_came_whole_with_the_awaited_one_are_delivered_by_the_wait
 def test_a_message_that_came_with_the_awaited_one_but_not_all_of_its_payload_is_left_to_the_server_thread():
     receiver = Receiver()
     server = ServerThread(receiver)
-    second = bytes(range(256)) * 16
+    third = bytes(range(256)) * 16
 
-    def send_with_half_of_the_second():
-        server.sending._sock.sendall(_framed(0, b"awaited") + _framed(1, second)[: -len(second) // 2])
+    def send_all_but_the_last_byte():
+        server.sending._sock.sendall(_framed(0, b"awaited") + _framed(1, b"whole") + _framed(2, third)[:-1])
 
-    waiting = _first_of(receiver, send_with_half_of_the_second)
+    waiting = _first_of(receiver, send_all_but_the_last_byte)
     returned: list = []
     reading = threading.Thread(
         target=lambda: returned.append(receiver.socket.read_while(receiver, waiting, time.monotonic() + 10)),
         name="reading",
     )
     reading.start()
-    try:  # it returns with its message, not waiting for the rest of the next one
+    try:  # it returns with its message and the whole one, not waiting for the rest of the third
         wait_for(lambda: returned, "the waiting thread returns", timeout=5)
     finally:
-        server.sending._sock.sendall(second[-len(second) // 2 :])
+        server.sending._sock.sendall(third[-1:])
         reading.join(timeout=10)
     server.sending.send_frame(GOODBYE)
     assert server.finish()["goodbye"].reason == "done"
-    assert returned == [True] and receiver.payloads() == [b"awaited", second]
-    assert receiver.delivered_by == ["reading", "stream-server"]
+    assert returned == [True] and receiver.payloads() == [b"awaited", b"whole", third]
+    assert receiver.delivered_by == ["reading", "reading", "stream-server"]
+
+
+def test_an_inline_message_that_came_with_the_awaited_one_is_delivered_by_the_waiting_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    inline = frames.encode_header(_header(1, 2, inline_data=b"ok"))  # no payload bytes on the socket
+    sent = _framed(0, b"awaited") + struct.pack("<I", len(inline)) + inline
+    assert receiver.socket.read_while(
+        receiver, _first_of(receiver, lambda: server.sending._sock.sendall(sent)), time.monotonic() + 10
+    )
+    assert receiver.delivered_by == [threading.current_thread().name] * 2
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+    assert receiver.payloads() == [b"awaited", b"ok"]
+
+
+def test_a_frame_that_does_not_parse_after_the_awaited_message_ends_the_stream_in_the_server_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    garbage = b"\xff\xff\xff\xff"
+    sent = _framed(0, b"a") + _framed(1, b"b") + struct.pack("<I", len(garbage)) + garbage + _framed(2, b"c")
+    assert receiver.socket.read_while(
+        receiver, _first_of(receiver, lambda: server.sending._sock.sendall(sent)), time.monotonic() + 10
+    )  # the caller gets its message, not the stream's error
+    assert server.finish().get("error") is not None
+    assert receiver.payloads() == [b"a", b"b"]
 
 
 def test_no_message_is_delivered_from_a_stream_that_already_ended():
