@@ -427,7 +427,8 @@ class SocketFrames:
 
     def _whole_message_buffered(self) -> bool:
         """Whether the next message came in whole and is one a waiting thread reads (reading it waits
-        for nothing); one that has not is left where it is, for the next reader."""
+        for nothing). One that is not stays in the buffer, unread: :meth:`read_while` then wakes
+        the server thread for it."""
         frame, after = self._socket.peek_frame()
         if frame is None or frames.is_chunk(frame):
             return False
