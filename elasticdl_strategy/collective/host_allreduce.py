@@ -238,14 +238,11 @@ class HostAllreduce:
             CollectiveTimeoutError: not every rank arrived by the call's deadline.
             CommunicatorClosedError: the communicator was closed (before or during the call).
         """
-        if self._closed:
-            raise _closed(call.p2p.rank)
         segment = self._segment
         in_place = flat.nbytes > segment.slot_bytes
         if in_place and self._pids is None:  # not one the segment takes
             raise ValueError(f"an all-reduce of {flat.nbytes} bytes does not go through this segment")
-        self._calls += 1
-        parity = self._calls % 2
+        parity = self._next_call(call)
         if in_place:
             self._addresses[parity][segment.rank][0] = flat.ctypes.data
         else:
@@ -279,23 +276,30 @@ class HostAllreduce:
         pieces the segment :meth:`takes_pieces`): as the in-place all-reduce of :meth:`allreduce`,
         but each rank publishes a table of where its pieces lie instead of where its array does,
         and the others read each piece where it lies. Returns and raises as :meth:`allreduce`."""
-        if self._closed:
-            raise _closed(call.p2p.rank)
-        segment = self._segment
         if not self.takes_pieces(flat.nbytes, len(pieces)):
             raise ValueError(
                 f"an all-reduce of {len(pieces)} pieces into {flat.nbytes} bytes does not go through this segment"
             )
-        self._calls += 1
-        parity = self._calls % 2
+        parity = self._next_call(call)
         mine = Pieces(pieces, offsets)
         self._publish_table(parity, flat, mine)
         elsewhere = self._arrive(call, note, healthy, differs)
         if elsewhere:
             return elsewhere
-        tables = [self._table_of(r, parity, flat.itemsize) for r in range(segment.ranks)]
+        tables = [self._table_of(r, parity, flat.itemsize) for r in range(self._segment.ranks)]
         self._reduce_in_place(call, flat, ufunc, parity, note, healthy, self._pieces_term(call.p2p, mine, tables))
         return {}
+
+    def _next_call(self, call: CollectiveCall) -> int:
+        """Counts an all-reduce through the segment; returns its parity (which slots it uses).
+
+        Raises:
+            CommunicatorClosedError: the segment was closed.
+        """
+        if self._closed:
+            raise _closed(call.p2p.rank)
+        self._calls += 1
+        return self._calls % 2
 
     def _publish_table(self, parity: int, flat: np.ndarray, mine: "Pieces") -> None:
         """Writes where ``flat`` and this rank's pieces lie into its slot of ``parity`` (published with

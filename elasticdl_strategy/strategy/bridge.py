@@ -306,11 +306,14 @@ class _Staged:
 
     def _op(self, op: str) -> str:
         """What the communicator reduces with: the sum for an integer mean (see :meth:`_finish`)."""
-        return "sum" if op == "mean" and self.dtype.kind in "iu" else op
+        return "sum" if self._integer_mean(op) else op
+
+    def _integer_mean(self, op: str) -> bool:
+        return op == "mean" and self.dtype.kind in "iu"
 
     def _finish(self, communicator, op: str) -> None:
         _, flat = self._leased()
-        if op == "mean" and self.dtype.kind in "iu":
+        if self._integer_mean(op):  # the sum, divided here with integer division
             flat //= communicator.size
         _counters["buckets"] += 1
 
