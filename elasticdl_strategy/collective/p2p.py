@@ -827,13 +827,17 @@ class _InboundStream:
         self._awaited: Dict[int, _AwaitedOnSocket] = {}  # by thread: what it reads the data socket for
 
     def on_header(self, header: peer_pb2.MessageHeader):
-        p2p = self._p2p
-        if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
-            p2p.header_observer(self._src, header.collective)
+        self._observe(header)
         awaited = self._awaited.get(threading.get_ident()) if self._awaited else None
         if awaited is not None and awaited.takes(self._src, header):
             return awaited
-        return p2p.mailbox.deliver(self._src, header)
+        return self._p2p.mailbox.deliver(self._src, header)
+
+    def _observe(self, header: peer_pb2.MessageHeader) -> None:
+        """Shows the descriptor of a collective message to the communicator (which checks it)."""
+        p2p = self._p2p
+        if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
+            p2p.header_observer(self._src, header.collective)
 
     def take_from_socket(self, key: Key, sink: Sink, seconds: float, spin_yield: bool) -> bool:
         """Reads the data socket in this thread for up to ``seconds`` (spinning, never asleep) until
@@ -845,14 +849,25 @@ class _InboundStream:
         if socket is None or seconds <= 0:
             return False
         awaited = _AwaitedOnSocket(key, sink, self._p2p.mailbox)
+        place = functools.partial(self._place, awaited)
         me = threading.get_ident()
         self._awaited[me] = awaited
         try:
-            socket.read_while(self, awaited.waiting, time.monotonic() + seconds, seconds, spin_yield)
+            socket.read_while(self, awaited.waiting, time.monotonic() + seconds, seconds, spin_yield, place)
         finally:
             del self._awaited[me]
             awaited.stop_waiting()
         return awaited.state is _Taking.TAKEN
+
+    def _place(self, awaited: _AwaitedOnSocket, header: peer_pb2.MessageHeader):
+        """The writer of the ``awaited`` message if ``header`` is its header (``place`` of
+        :meth:`SocketFrames.read_while`): ``awaited`` itself if the message fits its sink, else the
+        mailbox's (whose posted receive then fails with the reason); None, changing nothing, for
+        any other message."""
+        if (self._src, header.channel, header.tag, header.sequence) != awaited.key:
+            return None
+        self._observe(header)
+        return awaited if awaited.takes(self._src, header) else self._p2p.mailbox.deliver(self._src, header)
 
     def attach_lane(self, lane: ReceiveLane) -> None:
         self.lane = lane

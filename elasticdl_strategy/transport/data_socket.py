@@ -81,6 +81,7 @@ class FrameSocket:
         self._start = 0  # the buffered bytes not yet read are _buffer[_start:_end]
         self._end = 0
         self._fd = sock.fileno()
+        self._pending = getattr(sock, "pending", None)  # TLS: records decrypted but not read
         self._pollers: Dict[Optional[int], "select.poll"] = {}  # by the wake fd polled beside the socket
 
     def send_frame(
@@ -127,7 +128,12 @@ class FrameSocket:
             DataSocketClosed: the connection ended.
             ValueError: the length prefix is larger than any valid frame.
         """
-        (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
+        start = self._start
+        if self._end - start >= _LENGTH.size:  # the usual case: the prefix came in the read ahead
+            (length,) = _LENGTH.unpack_from(self._buffer, start)
+            self._start = start + _LENGTH.size
+        else:
+            (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
         if length > self._max_frame:
             raise ValueError(f"a {length}-byte frame on the data socket (at most {self._max_frame})")
         return self._read(length)
@@ -144,10 +150,7 @@ class FrameSocket:
 
     def buffered(self) -> bool:
         """Whether bytes already came in that a read has not taken (a read returns without waiting for the network)."""
-        if self._end > self._start:
-            return True
-        pending = getattr(self._sock, "pending", None)  # TLS: records decrypted but not read
-        return pending is not None and pending() > 0
+        return self._end > self._start or (self._pending is not None and self._pending() > 0)
 
     def peek_frame(self) -> Tuple[Optional[bytes], int]:
         """The next control frame if it came in whole (:meth:`recv_frame` would return it without
@@ -162,6 +165,20 @@ class FrameSocket:
         begin = self._start + _LENGTH.size
         return bytes(self._view[begin : begin + length]), after
 
+    def drop_frame(self, frame: bytes) -> None:
+        """Reads past the control frame :meth:`peek_frame` just returned (its payload comes next)."""
+        self._start += _LENGTH.size + len(frame)
+
+    def read_ahead(self) -> None:
+        """Reads what the socket has (at least one byte: call it once :meth:`wait_readable` said so)
+        into the read-ahead buffer if that is empty (else nothing: it holds the start of a frame).
+
+        Raises:
+            DataSocketClosed: the connection ended.
+        """
+        if self._end == self._start:
+            self._fill()
+
     def wait_readable(self, timeout: Optional[float], wake_fd: Optional[int] = None) -> bool:
         """Waits up to ``timeout`` seconds (``None``: no limit) for something to read (bytes, or the
         connection's end); returns whether there is, False at once when ``wake_fd`` becomes readable."""
@@ -173,8 +190,10 @@ class FrameSocket:
             poller.register(self._fd, select.POLLIN | select.POLLPRI)
             if wake_fd is not None:
                 poller.register(wake_fd, select.POLLIN)
-        events = poller.poll(None if timeout is None else _poll_ms(timeout))
-        return any(ready == self._fd for ready, _ in events)
+        for ready, _ in poller.poll(None if timeout is None else _poll_ms(timeout)):
+            if ready == self._fd:
+                return True
+        return False
 
     @staticmethod
     def wait_until_woken(timeout: float, wake_fd: int) -> bool:
@@ -209,8 +228,8 @@ class FrameSocket:
 
     def _fill(self) -> None:
         """Reads what the socket has (at least one byte) into the empty read-ahead buffer."""
-        self._start = 0
-        self._end = self._recv(self._view)
+        n = self._recv(self._view)  # interrupted or broken, the buffer stays empty
+        self._start, self._end = 0, n
 
     def _recv(self, view: memoryview) -> int:
         try:

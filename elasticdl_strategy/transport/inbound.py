@@ -289,6 +289,7 @@ class SocketFrames:
         deadline: float,
         spin_s: float = 0.0,
         spin_yield: bool = False,
+        place: Optional[Callable[[peer_pb2.MessageHeader], Optional[MessageWriter]]] = None,
     ) -> bool:
         """In a thread waiting for a message of this stream: unless another thread reads the socket,
         reads it and delivers to ``receiver`` every message that comes, while ``waiting()`` and
@@ -302,26 +303,18 @@ class SocketFrames:
         transfer at most): a sender that stops in the middle of one holds it until
         :meth:`shutdown`, which the receiving side calls once that sender is declared failed.
 
+        ``place(header)``, if given, reads the awaited message the short way: for that one header it
+        returns the writer of its bytes, as ``receiver.on_header`` would (None for any other,
+        changing nothing), and that message, whole in the read-ahead buffer, is read with one
+        look at its header, not handed to ``receiver`` (:meth:`_read_placed`).
+
         Returns:
             True once ``waiting()`` is false or the deadline passed; False, sooner, if another
             thread reads the socket, the stream ended or something came that the server thread
             handles: the message then comes the usual way.
         """
-        me = threading.get_ident()
-        if not self._reading.acquire(blocking=False):
-            # It waits on its receive now, not reading: the thread holding the socket hands it to the
-            # server thread when it lets go. Then looks once more: that thread may have let go just now.
-            with self._refused_lock:
-                self._refused[me] = waiting
-            if not self._reading.acquire(blocking=False):
-                return False
-        with self._refused_lock:
-            self._refused.pop(me, None)
-        if self._left:  # what was left for the server thread comes first
-            self._reading.release()
+        if not self._take_socket(waiting):
             return False
-        self._reader = me
-        self._hand_overs_seen = self._hand_overs
         spin_until = time.monotonic() + spin_s
         read = False
         try:
@@ -337,24 +330,98 @@ class SocketFrames:
                     elif spin_yield:
                         os.sched_yield()
                     continue
-                if not self._read_message(receiver):
+                placed = self._read_placed(place) if place is not None else None
+                if placed is False or (placed is None and not self._read_message(receiver)):
                     return False
                 read = True
             if read:  # not for a thread that read nothing: it must not end a hand-over (see _handed)
                 self._read_buffered(receiver)
             return True
         finally:
-            self._reader = None
-            self._last_read = time.monotonic()
-            leftovers = bool(self._left) or self._socket.buffered()
+            self._let_go()
+
+    def _read_placed(self, place: Callable[[peer_pb2.MessageHeader], Optional[MessageWriter]]) -> Optional[bool]:
+        """Reads the next message the short way if ``place`` takes it: its frame whole in the read-ahead
+        buffer, a header a waiting thread reads with its payload raw on the socket, for which ``place``
+        returns a writer (True). None: nothing read (the frame is read the usual way). False: the
+        connection broke, or ``place`` or the writer failed (left to the server thread, which ends
+        the stream with it, as :meth:`_read_message` does)."""
+        socket = self._socket
+        try:
+            socket.read_ahead()
+        except DataSocketClosed as e:
+            self._left.append(e)
+            return False
+        except BaseException:  # interrupted (Ctrl-C) as the bytes left the kernel: they may be lost
+            self._end_interrupted()
+            raise
+        frame, _ = socket.peek_frame()
+        if frame is None or frames.is_chunk(frame):
+            return None
+        try:
+            control = frames.decode_control(frame)
+        except Exception:  # noqa: BLE001 - read the usual way, which ends the stream with it
+            return None
+        if not _read_by_waiting_threads(control) or control.header.inline_data:
+            return None
+        header = control.header
+        try:
+            writer = place(header)
+            if writer is None:
+                return None
+            socket.drop_frame(frame)
+            self._hand_overs_read = max(self._hand_overs_read, self._hand_overs_seen)
+            if header.nbytes:
+                self.read_payload(writer, header.nbytes)
+            writer.finish()
+            return True
+        except Exception as e:  # noqa: BLE001 - the server thread ends the stream with it, as if it had read it
+            self._left.append(e)
+            return False
+        except BaseException:  # interrupted (Ctrl-C) in the middle of a message: the stream cannot go on
+            self._end_interrupted()
+            raise
+
+    def _end_interrupted(self) -> None:
+        """A waiting thread was interrupted (Ctrl-C) in the middle of reading: ends the stream."""
+        self._socket.shutdown()
+        self._left.append(DataSocketClosed("a thread reading the data socket was interrupted mid-message"))
+
+    def _take_socket(self, waiting: Callable[[], bool]) -> bool:
+        """Makes a thread waiting for ``waiting()`` the socket's reader; False if another thread
+        reads it (the reader hands it to the server thread when it lets go, if the waiting thread
+        still waits) or something was left for the server thread, which comes first."""
+        me = threading.get_ident()
+        if not self._reading.acquire(blocking=False):
+            # It waits on its receive now, not reading: the thread holding the socket hands it to the
+            # server thread when it lets go. Then looks once more: that thread may have let go just now.
+            with self._refused_lock:
+                self._refused[me] = waiting
+            if not self._reading.acquire(blocking=False):
+                return False
+        if me in self._refused:  # turned away before: only this thread adds itself
+            with self._refused_lock:
+                self._refused.pop(me, None)
+        if self._left:  # what was left for the server thread comes first
             self._reading.release()
-            # Looked at after letting go, so that a thread turned away just before counts (it looked
-            # once more after saying so). Those still waiting look again only now and then: the
-            # server thread reads for them until a waiting thread reads here again.
-            if self._take_refused() or self._still_served():
-                self._hand_over()
-            elif leftovers:
-                self._wake(server=True)  # it waits for the socket, which says nothing of these
+            return False
+        self._reader = me
+        self._hand_overs_seen = self._hand_overs
+        return True
+
+    def _let_go(self) -> None:
+        """The waiting thread stops reading (:meth:`_take_socket` made it the reader)."""
+        self._reader = None
+        self._last_read = time.monotonic()
+        leftovers = bool(self._left) or self._socket.buffered()
+        self._reading.release()
+        # Looked at after letting go, so that a thread turned away just before counts (it looked
+        # once more after saying so). Those still waiting look again only now and then: the
+        # server thread reads for them until a waiting thread reads here again.
+        if self._take_refused() or self._still_served():
+            self._hand_over()
+        elif leftovers:
+            self._wake(server=True)  # it waits for the socket, which says nothing of these
 
     def _take_refused(self) -> bool:
         """Whether a thread turned away by :meth:`read_while` still waits for its message; forgets
@@ -459,8 +526,7 @@ class SocketFrames:
             self._left.append(e)
             return False
         except BaseException:  # interrupted (Ctrl-C) in the middle of a frame: the stream cannot go on
-            self._socket.shutdown()
-            self._left.append(DataSocketClosed("a thread reading the data socket was interrupted mid-message"))
+            self._end_interrupted()
             raise
 
     def _stop_reading(self) -> None:

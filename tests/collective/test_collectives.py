@@ -88,6 +88,15 @@ def test_reduce_scatter_matches_numpy(clusters, n, shape, dop, seed):
         assert_close(results[r], expected[r])
 
 
+def test_a_reduce_of_fewer_elements_than_ranks_goes_on_over_fresh_data_sockets():
+    # Each message on the stream from rank 0 to rank 1 is an empty segment of the reduce-scatter: the
+    # first payloads read on that socket are empty (no message before them has set its reading up).
+    with ThreadCluster(2, transport_options("data-socket")) as cluster:
+        results = cluster.run_outcomes(lambda comm: [comm.reduce(np.float64(1.0), root=0) for _ in range(50)])
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert [float(x) for x in results[0]] == [2.0] * 50 and results[1] == [None] * 50
+
+
 @PROPERTY_SETTINGS
 @given(n=sizes, shape=shapes, dtype=dtypes, seed=seeds, data=st.data())
 def test_broadcast_matches_root(clusters, n, shape, dtype, seed, data):

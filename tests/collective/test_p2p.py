@@ -450,15 +450,16 @@ def socket_pair():
 
 
 def _threads_reading_headers(monkeypatch) -> list:
-    """The names of the threads that read each message header from now on, in order."""
+    """The names of the threads that read each message header from now on, in order (each header is
+    observed once, whether it is handed over or read straight into its receive's buffer)."""
     readers = []
-    on_header = _InboundStream.on_header
+    observe = _InboundStream._observe
 
-    def recorded_on_header(self, header):
+    def recorded_observe(self, header):
         readers.append(threading.current_thread().name)
-        return on_header(self, header)
+        return observe(self, header)
 
-    monkeypatch.setattr(_InboundStream, "on_header", recorded_on_header)
+    monkeypatch.setattr(_InboundStream, "_observe", recorded_observe)
     return readers
 
 
@@ -849,6 +850,32 @@ def test_a_message_on_a_data_socket_that_does_not_fit_the_waiting_receive_fails_
     with pytest.raises(CollectiveMismatchError, match="40 bytes"):
         b.recv(0, tag=3, out=np.zeros(4), timeout=10)
     np.testing.assert_array_equal(b.recv(0, tag=3, out=np.zeros(4), timeout=10), np.ones(4))
+
+
+def test_a_message_that_does_not_fit_the_waiting_receive_is_read_once_and_fails_it(socket_pair, monkeypatch):
+    _, a, b = socket_pair
+    sockets = b._sockets
+    monkeypatch.setattr(  # the receive reads the socket for its whole timeout, as in the test above
+        b, "_take_from_socket", lambda key, sink, timeout: sockets[key[0]].take_from_socket(key, sink, timeout, False)
+    )
+    readers = _threads_reading_headers(monkeypatch)
+    outcome: dict = {}
+
+    def receive():
+        try:
+            outcome["result"] = b.irecv(0, tag=5, sink=ReduceSink(1, np.zeros(4), np.add)).wait(timeout=10)
+        except CollectiveMismatchError as e:
+            outcome["error"] = e
+
+    receiving = threading.Thread(target=receive, name="receiving")
+    receiving.start()
+    try:
+        wait_for(lambda: b._sockets[0].socket._reader is not None, "the receive reading the socket")
+        a.send(np.zeros(3), dst=1, tag=5)  # 24 bytes where 32 are expected
+    finally:
+        receiving.join(timeout=15)
+    assert "24-byte segment where 32 bytes were expected" in str(outcome.get("error")), outcome
+    assert readers == ["receiving"]  # its header read once, by the waiting thread, then to the mailbox
 
 
 @pytest.mark.parametrize("pair", ["shm_pair", "socket_pair"])

@@ -10,7 +10,7 @@ import pytest
 
 from elasticdl_strategy.errors import ConfigError, PeerFailureError
 from elasticdl_strategy.transport import data_socket, outbound
-from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, connect, host_of
+from elasticdl_strategy.transport.data_socket import TICKET_BYTES, DataSocketListener, FrameSocket, connect, host_of
 from elasticdl_strategy.transport.options import TransportOptions
 from tests.cluster import ThreadCluster, transport_options
 
@@ -337,3 +337,21 @@ def test_a_ticket_dripped_byte_by_byte_misses_the_total_deadline():
             assert time.monotonic() - started < 3.0  # the whole ticket would have taken 3.2 s
     finally:
         listener.close()
+
+
+def test_a_read_ahead_interrupted_leaves_the_buffer_empty_not_holding_old_bytes(monkeypatch):
+    sending, receiving = (FrameSocket(s, 1 << 20) for s in socket.socketpair())
+    try:
+        sending.send_frame(b"first")
+        assert receiving.recv_frame() == b"first"  # the read-ahead buffer read to its end, not at its start
+        assert not receiving.buffered()
+
+        def interrupted(view, nbytes):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(receiving, "_sock", type("Interrupted", (), {"recv_into": staticmethod(interrupted)})())
+        with pytest.raises(KeyboardInterrupt):
+            receiving.read_ahead()
+        assert not receiving.buffered() and receiving.peek_frame() == (None, 0)
+    finally:
+        sending.close()

@@ -486,3 +486,216 @@ def test_the_server_thread_woken_with_nothing_to_read_sleeps_again():
     server.sending.send_frame(GOODBYE)
     assert server.finish()["goodbye"].reason == "done"
     assert receiver.payloads() == [b"still read"]
+
+
+# ---- read_while with place: the awaited message read the short way ----------------------------
+
+
+class Place:
+    """A ``place`` for ``read_while``: message ``sequence`` goes to a writer of its own."""
+
+    def __init__(self, sequence: int, offer_target: bool = True):
+        self.sequence = sequence
+        self.offer_target = offer_target
+        self.placed: List[Writer] = []
+        self.asked: List[int] = []  # the sequence numbers of the headers it was shown
+
+    def __call__(self, header):
+        self.asked.append(header.sequence)
+        if header.sequence != self.sequence:
+            return None
+        self.placed.append(Writer(header.nbytes, self.offer_target))
+        return self.placed[-1]
+
+    def came(self) -> bool:
+        return bool(self.placed) and self.placed[0].finished
+
+
+def _read_placed(receiver: Receiver, place: Place, send_when_held, seconds: float = 10.0) -> bool:
+    """``read_while`` for ``place``'s message (the first one, however it comes), calling
+    ``send_when_held()`` once with the socket held."""
+    sent: list = []
+
+    def waiting():
+        if not sent:
+            sent.append(send_when_held())
+        return not (place.came() or (receiver.messages and receiver.messages[0].finished))
+
+    return receiver.socket.read_while(receiver, waiting, time.monotonic() + seconds, seconds, False, place)
+
+
+def _inline(sequence: int, data: bytes) -> bytes:
+    header = frames.encode_header(_header(sequence, len(data), inline_data=data))
+    return struct.pack("<I", len(header)) + header
+
+
+def test_the_awaited_message_is_read_into_its_place_and_those_that_came_with_it_are_delivered():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    wakes = []
+    wake = receiver.socket._wake
+    receiver.socket._wake = lambda server: (wakes.append(server), wake(server))[1]
+    place = Place(0)
+    sent = _framed(0, b"awaited") + _framed(1, b"next step's")  # in one write
+    assert _read_placed(receiver, place, lambda: server.sending._sock.sendall(sent))
+    assert place.came() and bytes(place.placed[0].data) == b"awaited" and place.placed[0].targets == 1
+    # Not handed to the receiver; the one that came with it is, by this thread, without waking the server thread.
+    assert receiver.payloads() == [b"next step's"] and receiver.delivered_by == [threading.current_thread().name]
+    assert wakes == []
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+@pytest.mark.parametrize(
+    "sent, usual_way, short_way, asked",
+    [
+        (_framed(1, b"another") + _framed(0, b"awaited"), [b"another"], [b"awaited"], [1, 0]),  # another first
+        (_inline(0, b"awaited"), [b"awaited"], [], []),  # the awaited one inline: its payload is not on the socket
+    ],
+    ids=["another message first", "inline"],
+)
+def test_a_frame_place_does_not_take_is_read_the_usual_way(sent, usual_way, short_way, asked):
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    place = Place(0)
+    held: list = []
+
+    def waiting():
+        if not held:
+            held.append(server.sending._sock.sendall(sent))
+        return len(receiver.messages) + sum(w.finished for w in place.placed) < len(usual_way) + len(short_way)
+
+    assert receiver.socket.read_while(receiver, waiting, time.monotonic() + 10, 10, False, place)
+    assert receiver.payloads() == usual_way and [bytes(w.data) for w in place.placed] == short_way
+    assert receiver.delivered_by == [threading.current_thread().name] * len(usual_way) and place.asked == asked
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+def test_a_frame_partly_come_at_the_first_look_is_read_the_usual_way(monkeypatch):
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    message = _framed(0, b"awaited")
+    socket_ = receiver.socket._socket
+    peek_frame = socket_.peek_frame
+
+    def peek_then_send_the_rest():  # the rest comes once the short way has looked (and found 3 bytes)
+        peeked = peek_frame()
+        if peeked == (None, 0) and not rest_sent:
+            rest_sent.append(server.sending._sock.sendall(message[3:]))
+        return peeked
+
+    rest_sent: list = []
+    monkeypatch.setattr(socket_, "peek_frame", peek_then_send_the_rest)
+    place = Place(0)
+    assert _read_placed(receiver, place, lambda: server.sending._sock.sendall(message[:3]))
+    assert rest_sent
+    # Its header was read whole by the usual way (recv_frame waits for the rest), then handed over.
+    assert receiver.payloads() == [b"awaited"] and place.placed == []
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+def test_a_placed_message_whose_writer_offers_no_target_gets_its_bytes_through_write():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    place = Place(0, offer_target=False)  # a reduction: every byte through write
+    payload = bytes(range(256)) * 40
+    assert _read_placed(receiver, place, lambda: server.send(0, payload))
+    assert place.came() and bytes(place.placed[0].data) == payload and place.placed[0].targets == 0
+    assert receiver.messages == []
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+@pytest.mark.parametrize("offer_target", [True, False], ids=["into its target", "through write"])
+@pytest.mark.parametrize("sent", [b"", _framed(0, bytes(1000))[:-500]], ids=["nothing", "half a payload"])
+def test_a_connection_that_ends_under_the_short_way_ends_the_stream_in_the_server_thread(sent, offer_target):
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    place = Place(0, offer_target)
+    assert not _read_placed(receiver, place, lambda: (server.sending._sock.sendall(sent), server.sending.shutdown()))
+    assert isinstance(server.finish().get("error"), DataSocketClosed)
+    assert not place.came() and receiver.messages == []  # a placed one never finishes: its receive fails
+
+
+def test_a_thread_interrupted_in_the_middle_of_a_placed_payload_ends_the_stream(monkeypatch):
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    socket_ = receiver.socket._socket
+
+    def interrupted(view):
+        raise KeyboardInterrupt  # Ctrl-C while the payload is still on the socket
+
+    monkeypatch.setattr(socket_, "recv_into", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _read_placed(receiver, Place(0), lambda: server.sending._sock.sendall(_framed(0, bytes(100_000))))
+    assert isinstance(server.finish().get("error"), DataSocketClosed)  # not the payload read as a frame
+
+
+def test_a_thread_that_reads_its_message_the_short_way_ends_a_hand_over_made_before_it_took_the_socket():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    frames_socket = receiver.socket
+    assert frames_socket._reading.acquire(blocking=False)  # as a waiting thread holding it
+    try:
+        frames_socket._last_read = time.monotonic()
+        frames_socket._hand_over(wake=False)  # as hand_to_server, without waking the server thread to take it
+    finally:
+        frames_socket._reading.release()
+    assert frames_socket._handed()
+    place = Place(0)
+    assert _read_placed(receiver, place, lambda: server.send(0, b"awaited"))
+    assert place.came() and not frames_socket._handed()  # the socket is the waiting threads' again
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+def test_a_place_that_fails_ends_the_stream_in_the_server_thread_not_in_the_waiting_thread():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+
+    def failing(header):
+        raise RuntimeError("a bug in place")
+
+    waiting_calls: list = []
+
+    def waiting():
+        if not waiting_calls:
+            server.send(0, b"awaited")
+        waiting_calls.append(1)
+        return True
+
+    assert not receiver.socket.read_while(receiver, waiting, time.monotonic() + 10, 10, False, failing)
+    error = server.finish().get("error")
+    assert isinstance(error, RuntimeError) and "a bug in place" in str(error)
+
+
+def test_an_empty_placed_message_whose_writer_offers_no_target_is_read():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    place = Place(0, offer_target=False)  # a reduction's empty segment, the first payload on this socket
+    assert _read_placed(receiver, place, lambda: server.send(0, b""))
+    assert place.came() and receiver.messages == []
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+def test_a_thread_interrupted_just_as_its_read_ahead_returns_ends_the_stream():
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    frame_socket = receiver.socket._socket
+    real_recv = frame_socket._recv
+    interrupted: list = []
+
+    def recv_then_interrupted(view):
+        n = real_recv(view)  # the bytes are out of the kernel...
+        if not interrupted:
+            interrupted.append(n)
+            raise KeyboardInterrupt  # ...and Ctrl-C's handler runs before they are kept
+        return n
+
+    frame_socket._recv = recv_then_interrupted
+    with pytest.raises(KeyboardInterrupt):
+        _read_placed(receiver, Place(0), lambda: server.send(0, b"lost"))
+    assert isinstance(server.finish().get("error"), DataSocketClosed)  # not a clean end with the message lost
