@@ -28,7 +28,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Union
 
 from elasticdl_strategy.errors import ConfigError, DataSocketClosed
 from elasticdl_strategy.transport.refusals import RefusalLog, normalize_host
@@ -152,18 +152,17 @@ class FrameSocket:
         """Whether bytes already came in that a read has not taken (a read returns without waiting for the network)."""
         return self._end > self._start or (self._pending is not None and self._pending() > 0)
 
-    def peek_frame(self) -> Tuple[Optional[bytes], int]:
+    def peek_frame(self) -> Optional[bytes]:
         """The next control frame if it came in whole (:meth:`recv_frame` would return it without
-        waiting for the network), left unread, and how many bytes came after it; ``(None, 0)`` otherwise."""
+        waiting for the network), left unread; None otherwise."""
         n = self._end - self._start
         if n < _LENGTH.size:
-            return None, 0
+            return None
         (length,) = _LENGTH.unpack_from(self._buffer, self._start)
-        after = n - _LENGTH.size - length
-        if after < 0:
-            return None, 0
+        if n < _LENGTH.size + length:
+            return None
         begin = self._start + _LENGTH.size
-        return bytes(self._view[begin : begin + length]), after
+        return bytes(self._view[begin : begin + length])
 
     def drop_frame(self, frame: bytes) -> None:
         """Reads past the control frame :meth:`peek_frame` just returned (its payload comes next)."""

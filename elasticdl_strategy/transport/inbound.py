@@ -176,7 +176,10 @@ class SocketFrames:
 
     Who reads when: while waiting threads read the socket (one did within
     :data:`_READERS_GRACE_S`) it is theirs, and the server thread neither watches it nor, woken
-    by a message anyway, reads it. It becomes the server thread's again when the grace passes,
+    by a message anyway, reads it. Messages that came with one a waiting thread read (a peer a
+    step ahead sent its next ones) stay in the read-ahead buffer, as they would in the kernel's,
+    for the next waiting thread, which reads them the short way (:meth:`_read_placed`); the
+    server thread reads them once the grace has passed. It becomes the server thread's again when the grace passes,
     or when it is handed over (:meth:`hand_to_server`; a thread letting go of it while a thread
     it turned away still waits, since that one sleeps on its receive), until a waiting thread that
     takes it afterwards reads a frame there.
@@ -192,10 +195,11 @@ class SocketFrames:
         self._scratch: Optional[memoryview] = None  # one piece of payload at a time, reused for every message
         self._reading = threading.Lock()
         self._server_reads = False  # the server thread holds _reading (only it reads and writes this)
+        self._server_polls = False  # the server thread polls the socket (only it writes this)
         self._left: Deque[Union[bytes, Exception]] = collections.deque()  # changed under _reading
         self._closed = False
         self._reader: Optional[int] = None  # the thread in read_while, if any
-        self._last_read = 0.0  # when a thread in read_while last stopped reading
+        self._last_read = float("-inf")  # when a thread in read_while last stopped reading
         # Threads read_while turned away since the socket was last handed over, by ident: their
         # receive's waiting() (see _take_refused). Both dicts are changed under _refused_lock.
         self._refused: Dict[int, Callable[[], bool]] = {}
@@ -227,10 +231,10 @@ class SocketFrames:
                 if isinstance(item, Exception):
                     raise item
                 return item
-            # Woken by a message alone while a waiting thread reads here: that thread reads the next
-            # ones too (a link waking up after a step's computation), not the server thread, which
-            # would take them first and hand them over. Woken on purpose, it reads.
-            if (woken or not self._readers_active()) and self._socket.wait_readable(0):
+            # Woken by a message while waiting threads read here: they read the next ones too (a link
+            # waking up after a step's computation), not the server thread, which would take them
+            # first and hand them over. Handed the socket, it reads.
+            if (self._handed() or not self._readers_active()) and self._socket.wait_readable(0):
                 return self._socket.recv_frame()
             self._stop_reading()
 
@@ -246,7 +250,13 @@ class SocketFrames:
         if quiet < _READERS_GRACE_S and not self._handed():
             self._socket.wait_until_woken(_READERS_GRACE_S - quiet, self._wake_server)
             return False
-        return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
+        # Said before the socket's buffer is looked at: a waiting thread that leaves bytes there
+        # after that look sees it, and wakes this thread (the socket's poll does not see them).
+        self._server_polls = True
+        try:
+            return self._socket.wait_readable(_SERVER_WAIT_SLICE_S, self._wake_server)
+        finally:
+            self._server_polls = False
 
     def _readers_active(self) -> bool:
         """Whether the socket is the waiting threads' now: one read it within :data:`_READERS_GRACE_S`
@@ -294,8 +304,7 @@ class SocketFrames:
         """In a thread waiting for a message of this stream: unless another thread reads the socket,
         reads it and delivers to ``receiver`` every message that comes, while ``waiting()`` and
         until ``deadline`` (``time.monotonic()``); :meth:`wake_reader` makes it look at
-        ``waiting()`` again at once; then, if it read any, the messages that already came whole
-        with the last one (:meth:`_read_buffered`). For the first ``spin_s`` seconds it looks at
+        ``waiting()`` again at once. For the first ``spin_s`` seconds it looks at
         the socket again and again rather than sleep until something comes (a sleeping thread takes
         tens of microseconds to wake), offering its core to other threads between looks if ``spin_yield``.
         A message it began to read it reads to the end (at most
@@ -316,7 +325,6 @@ class SocketFrames:
         if not self._take_socket(waiting):
             return False
         spin_until = time.monotonic() + spin_s
-        read = False
         try:
             while waiting():
                 now = time.monotonic()
@@ -333,9 +341,6 @@ class SocketFrames:
                 placed = self._read_placed(place) if place is not None else None
                 if placed is False or (placed is None and not self._read_message(receiver)):
                     return False
-                read = True
-            if read:  # not for a thread that read nothing: it must not end a hand-over (see _handed)
-                self._read_buffered(receiver)
             return True
         finally:
             self._let_go()
@@ -355,7 +360,7 @@ class SocketFrames:
         except BaseException:  # interrupted (Ctrl-C) as the bytes left the kernel: they may be lost
             self._end_interrupted()
             raise
-        frame, _ = socket.peek_frame()
+        frame = socket.peek_frame()
         if frame is None or frames.is_chunk(frame):
             return None
         try:
@@ -413,15 +418,18 @@ class SocketFrames:
         """The waiting thread stops reading (:meth:`_take_socket` made it the reader)."""
         self._reader = None
         self._last_read = time.monotonic()
-        leftovers = bool(self._left) or self._socket.buffered()
+        left = bool(self._left)
+        buffered = self._socket.buffered()
         self._reading.release()
         # Looked at after letting go, so that a thread turned away just before counts (it looked
         # once more after saying so). Those still waiting look again only now and then: the
         # server thread reads for them until a waiting thread reads here again.
         if self._take_refused() or self._still_served():
             self._hand_over()
-        elif leftovers:
-            self._wake(server=True)  # it waits for the socket, which says nothing of these
+        elif left or (buffered and self._server_polls):
+            # What was left it reads; bytes left in the buffer it cannot see while it polls the
+            # socket: woken, it looks again (it reads them only once the readers' grace has passed).
+            self._wake(server=True)
 
     def _take_refused(self) -> bool:
         """Whether a thread turned away by :meth:`read_while` still waits for its message; forgets
@@ -448,7 +456,8 @@ class SocketFrames:
         """Makes the server thread watch the socket again now, not after the waiting threads' grace
         (:data:`_READERS_GRACE_S`): for a thread about to block writing to any peer (the peer of
         this socket may be blocked writing to us, waiting for it to be read). A thread reading the
-        socket meanwhile does not undo it; the next one to read from the socket does (it reads it all)."""
+        socket meanwhile does not undo it; the next one to read a frame there does (the socket is the
+        waiting threads' again, and the server thread waits out their grace)."""
         self._hand_over()
 
     def shutdown(self) -> None:
@@ -484,30 +493,6 @@ class SocketFrames:
             os.close(self._wake_reader)
             self._wake_server = self._wake_reader = -1
         self._stop_reading()
-
-    def _read_buffered(self, receiver: StreamReceiver) -> None:
-        """Delivers the messages that came whole with the one a waiting thread read (a peer a step
-        ahead sent its next ones), rather than wake the server thread for them: that would cost a
-        thread switch per message, and with more workers than cores a time slice."""
-        while not self._closed and self._whole_message_buffered() and self._read_message(receiver):
-            pass
-
-    def _whole_message_buffered(self) -> bool:
-        """Whether the next message came in whole and is one a waiting thread reads (reading it waits
-        for nothing). One that is not stays in the buffer, unread: :meth:`read_while` then wakes
-        the server thread for it."""
-        frame, after = self._socket.peek_frame()
-        if frame is None or frames.is_chunk(frame):
-            return False
-        try:
-            control = frames.decode_control(frame)
-        except Exception:  # noqa: BLE001 - left to be read the usual way, which fails the stream with it
-            return False
-        if not _read_by_waiting_threads(control):
-            return False
-        header = control.header
-        payload = 0 if header.inline_data else header.nbytes
-        return payload <= after
 
     def _read_message(self, receiver: StreamReceiver) -> bool:
         """Reads one frame in a waiting thread and delivers its message; False if it left the frame

@@ -1,6 +1,7 @@
 """The receive routine over its two frame sources: every payload form, the move to the data
 socket, and the frames out of place that end a stream."""
 
+import select
 import socket
 import struct
 import threading
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from elasticdl_strategy.errors import DataSocketClosed, IncompleteStream
-from elasticdl_strategy.transport import frames
+from elasticdl_strategy.transport import frames, inbound
 from elasticdl_strategy.transport.data_socket import FrameSocket
 from elasticdl_strategy.transport.inbound import (
     WAITING_THREAD_READS_AT_MOST,
@@ -216,26 +217,51 @@ def _first_of(receiver: Receiver, sent_before_reading):
     return waiting
 
 
-def test_messages_that_came_whole_with_the_awaited_one_are_delivered_by_the_waiting_thread():
+def _server_thread_keeps_off(receiver: Receiver, monkeypatch) -> None:
+    """Makes the readers' grace a minute long and waits until the server thread sleeps through it
+    (not watching the socket, as after a waiting thread read it): from then on only the test's
+    threads read, however slowly this runs."""
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", 60.0)
+    sleeping = _sleeping_through_the_grace(monkeypatch)
+    wait_for(lambda: receiver.socket._server_polls, "the server thread polling the quiet socket")
+    receiver.socket._last_read = time.monotonic()  # as if a waiting thread had just read here
+    receiver.socket._wake(server=True)  # out of its poll of the quiet socket, to look again
+    assert sleeping.wait(10), "the server thread did not go to sleep for the readers' grace"
+
+
+def _sleeping_through_the_grace(monkeypatch) -> threading.Event:
+    """Set once the server thread sleeps through the readers' grace with nothing to wake it at once."""
+    sleeping = threading.Event()
+    wait_until_woken = FrameSocket.wait_until_woken
+
+    def recorded(timeout, wake_fd):
+        if not wait_until_woken(0, wake_fd):  # not woken already: it will sleep, not read
+            sleeping.set()
+        return wait_until_woken(timeout, wake_fd)
+
+    monkeypatch.setattr(FrameSocket, "wait_until_woken", staticmethod(recorded))
+    return sleeping
+
+
+def test_messages_that_came_with_the_awaited_one_wait_in_the_buffer_for_the_next_waiting_thread(monkeypatch):
     receiver = Receiver()
     server = ServerThread(receiver)
-    wakes = []
-    wake = receiver.socket._wake
-    receiver.socket._wake = lambda server: (wakes.append(server), wake(server))[1]
+    _server_thread_keeps_off(receiver, monkeypatch)
     payloads = [b"awaited", b"next step's", bytes(range(256)) * 100]
 
     def send_all():  # in one write: they are all in the socket before the first is read
-        data = b"".join(_framed(sequence, payload) for sequence, payload in enumerate(payloads))
-        server.sending._sock.sendall(data)
+        server.sending._sock.sendall(b"".join(_framed(sequence, payload) for sequence, payload in enumerate(payloads)))
 
     assert receiver.socket.read_while(receiver, _first_of(receiver, send_all), time.monotonic() + 10)
-    assert receiver.delivered_by == [threading.current_thread().name] * 3
-    assert receiver.payloads() == payloads and wakes == []  # the server thread was not woken for them
+    assert receiver.payloads() == payloads[:1] and receiver.socket._socket.buffered()  # the others wait there
+    assert receiver.socket.read_while(receiver, lambda: len(receiver.messages) < 3, time.monotonic() + 10)
+    assert receiver.payloads() == payloads and receiver.delivered_by == [threading.current_thread().name] * 3
     server.sending.send_frame(GOODBYE)
+    receiver.socket.hand_to_server()  # the grace is long here: the server thread reads the goodbye now
     assert server.finish()["goodbye"].reason == "done"
 
 
-def test_a_message_that_came_with_the_awaited_one_but_not_all_of_its_payload_is_left_to_the_server_thread():
+def test_messages_that_came_with_the_awaited_one_go_to_the_server_thread_once_the_readers_grace_passes():
     receiver = Receiver()
     server = ServerThread(receiver)
     third = bytes(range(256)) * 16
@@ -250,29 +276,16 @@ def test_a_message_that_came_with_the_awaited_one_but_not_all_of_its_payload_is_
         name="reading",
     )
     reading.start()
-    try:  # it returns with its message and the whole one, not waiting for the rest of the third
+    try:  # it returns with its message, not waiting for the rest of the third
         wait_for(lambda: returned, "the waiting thread returns", timeout=5)
     finally:
         server.sending._sock.sendall(third[-1:])
         reading.join(timeout=10)
+    wait_for(lambda: len(receiver.messages) == 3, "the server thread reads the others", timeout=5)
     server.sending.send_frame(GOODBYE)
     assert server.finish()["goodbye"].reason == "done"
     assert returned == [True] and receiver.payloads() == [b"awaited", b"whole", third]
-    assert receiver.delivered_by == ["reading", "reading", "stream-server"]
-
-
-def test_an_inline_message_that_came_with_the_awaited_one_is_delivered_by_the_waiting_thread():
-    receiver = Receiver()
-    server = ServerThread(receiver)
-    inline = frames.encode_header(_header(1, 2, inline_data=b"ok"))  # no payload bytes on the socket
-    sent = _framed(0, b"awaited") + struct.pack("<I", len(inline)) + inline
-    assert receiver.socket.read_while(
-        receiver, _first_of(receiver, lambda: server.sending._sock.sendall(sent)), time.monotonic() + 10
-    )
-    assert receiver.delivered_by == [threading.current_thread().name] * 2
-    server.sending.send_frame(GOODBYE)
-    assert server.finish()["goodbye"].reason == "done"
-    assert receiver.payloads() == [b"awaited", b"ok"]
+    assert receiver.delivered_by == ["reading", "stream-server", "stream-server"]
 
 
 def test_a_frame_that_does_not_parse_after_the_awaited_message_ends_the_stream_in_the_server_thread():
@@ -297,30 +310,6 @@ def test_no_message_is_delivered_from_a_stream_that_already_ended():
     receiver.socket.read_while(receiver, lambda: False, time.monotonic() + 1)  # its message had come
     receiver.socket.read_while(receiver, lambda: True, time.monotonic() + 1)
     assert receiver.messages == []
-
-
-def test_a_thread_that_read_its_message_delivers_nothing_more_once_the_stream_is_closed():
-    sending, receiving = socket.socketpair()
-    frames_socket = SocketFrames(FrameSocket(receiving, MAX_FRAME), iter([]))  # no server thread: closed here
-    receiver = Receiver()
-    on_header = receiver.on_header
-    closing: List[threading.Thread] = []
-
-    def closed_while_delivering(header):  # the stream ends (its server thread failed) mid-delivery
-        closing.append(threading.Thread(target=frames_socket.close))
-        closing[0].start()
-        wait_for(lambda: frames_socket._closed, "the stream closed")
-        return on_header(header)
-
-    receiver.on_header = closed_while_delivering
-    waiting = _first_of(receiver, lambda: sending.sendall(_framed(0, b"awaited") + _framed(1, b"next")))
-    try:
-        assert frames_socket.read_while(receiver, waiting, time.monotonic() + 10)
-    finally:
-        for thread in closing:
-            thread.join(timeout=10)
-        sending.close()
-    assert receiver.payloads() == [b"awaited"]
 
 
 def test_a_thread_that_waited_for_nothing_leaves_a_hand_over_as_it_is():
@@ -529,20 +518,20 @@ def _inline(sequence: int, data: bytes) -> bytes:
     return struct.pack("<I", len(header)) + header
 
 
-def test_the_awaited_message_is_read_into_its_place_and_those_that_came_with_it_are_delivered():
+def test_the_awaited_message_is_read_into_its_place_and_so_is_the_next_one_that_came_with_it(monkeypatch):
     receiver = Receiver()
     server = ServerThread(receiver)
-    wakes = []
-    wake = receiver.socket._wake
-    receiver.socket._wake = lambda server: (wakes.append(server), wake(server))[1]
+    _server_thread_keeps_off(receiver, monkeypatch)
     place = Place(0)
     sent = _framed(0, b"awaited") + _framed(1, b"next step's")  # in one write
     assert _read_placed(receiver, place, lambda: server.sending._sock.sendall(sent))
     assert place.came() and bytes(place.placed[0].data) == b"awaited" and place.placed[0].targets == 1
-    # Not handed to the receiver; the one that came with it is, by this thread, without waking the server thread.
-    assert receiver.payloads() == [b"next step's"] and receiver.delivered_by == [threading.current_thread().name]
-    assert wakes == []
+    following = Place(1)  # the next receive finds it in the buffer
+    assert _read_placed(receiver, following, lambda: None)
+    assert following.came() and bytes(following.placed[0].data) == b"next step's"
+    assert receiver.messages == []  # neither handed to the receiver (nor read by the server thread)
     server.sending.send_frame(GOODBYE)
+    receiver.socket.hand_to_server()  # the grace is long here: the server thread reads the goodbye now
     assert server.finish()["goodbye"].reason == "done"
 
 
@@ -581,7 +570,7 @@ def test_a_frame_partly_come_at_the_first_look_is_read_the_usual_way(monkeypatch
 
     def peek_then_send_the_rest():  # the rest comes once the short way has looked (and found 3 bytes)
         peeked = peek_frame()
-        if peeked == (None, 0) and not rest_sent:
+        if peeked is None and not rest_sent:
             rest_sent.append(server.sending._sock.sendall(message[3:]))
         return peeked
 
@@ -699,3 +688,64 @@ def test_a_thread_interrupted_just_as_its_read_ahead_returns_ends_the_stream():
     with pytest.raises(KeyboardInterrupt):
         _read_placed(receiver, Place(0), lambda: server.send(0, b"lost"))
     assert isinstance(server.finish().get("error"), DataSocketClosed)  # not a clean end with the message lost
+
+
+def _hold_server_before_its_poll(monkeypatch):
+    """Stops the server thread after it found the read-ahead buffer empty and before it polls the
+    socket (``looked``) until ``go_on``: bytes a waiting thread drains from the kernel meanwhile
+    cannot wake that poll, only a waiting thread's wake can."""
+    looked, go_on = threading.Event(), threading.Event()
+    wait_readable = FrameSocket.wait_readable
+
+    def held(self, timeout, wake_fd=None):
+        if threading.current_thread().name != "stream-server" or timeout != inbound._SERVER_WAIT_SLICE_S:
+            return wait_readable(self, timeout, wake_fd)
+        if self.buffered():
+            return True
+        looked.set()
+        assert go_on.wait(10)
+        poller = select.poll()  # the poll itself, as wait_readable does it, without its look at the buffer
+        poller.register(self._fd, select.POLLIN | select.POLLPRI)
+        poller.register(wake_fd, select.POLLIN)
+        return any(fd == self._fd for fd, _ in poller.poll(int(timeout * 1000)))
+
+    monkeypatch.setattr(FrameSocket, "wait_readable", held)
+    return looked, go_on
+
+
+def _read_one_leaving_the_next(monkeypatch, grace: float):
+    """A server thread polling the quiet socket (held before its poll); a waiting thread reads the
+    first of two messages that came together, leaving the second in the buffer."""
+    monkeypatch.setattr(inbound, "_SERVER_WAIT_SLICE_S", 60.0)  # not looking again by itself
+    monkeypatch.setattr(inbound, "_READERS_GRACE_S", grace)
+    looked, go_on = _hold_server_before_its_poll(monkeypatch)
+    receiver = Receiver()
+    server = ServerThread(receiver)
+    assert looked.wait(10) and receiver.socket._server_polls
+    sent = _framed(0, b"awaited") + _framed(1, b"the next")
+    assert receiver.socket.read_while(
+        receiver, _first_of(receiver, lambda: server.sending._sock.sendall(sent)), time.monotonic() + 10
+    )
+    assert receiver.socket._socket.buffered()
+    go_on.set()
+    return receiver, server
+
+
+def test_a_server_thread_polling_the_socket_is_woken_for_a_message_left_in_the_buffer(monkeypatch):
+    receiver, server = _read_one_leaving_the_next(monkeypatch, grace=0.005)
+    wait_for(lambda: len(receiver.messages) == 2 and receiver.messages[1].finished, "the second delivered", timeout=10)
+    assert receiver.delivered_by == [threading.current_thread().name, "stream-server"]  # after the grace
+    server.sending.send_frame(GOODBYE)
+    assert server.finish()["goodbye"].reason == "done"
+
+
+def test_a_server_thread_woken_to_look_again_leaves_the_buffer_to_waiting_threads_during_their_grace(monkeypatch):
+    sleeping = _sleeping_through_the_grace(monkeypatch)
+    receiver, server = _read_one_leaving_the_next(monkeypatch, grace=60.0)
+    assert sleeping.wait(10)  # woken, it went to sleep for the readers' grace, not reading
+    assert receiver.socket.read_while(receiver, lambda: len(receiver.messages) < 2, time.monotonic() + 10)
+    assert receiver.payloads() == [b"awaited", b"the next"]
+    assert receiver.delivered_by == [threading.current_thread().name] * 2
+    server.sending.send_frame(GOODBYE)
+    receiver.socket.hand_to_server()  # the grace is long here: the server thread reads the goodbye now
+    assert server.finish()["goodbye"].reason == "done"

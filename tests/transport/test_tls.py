@@ -3,6 +3,8 @@ client, or one without a certificate, cannot connect."""
 
 import socket
 import ssl
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -10,9 +12,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from elasticdl_strategy.errors import ConfigError, DataSocketClosed
+from elasticdl_strategy.transport import frames, inbound
 from elasticdl_strategy.transport.data_socket import DataSocketListener, connect
 from elasticdl_strategy.transport.options import TLSConfig, TransportOptions
 from tests.cluster import ThreadCluster
+from tests.conditions import wait_for
+from tests.transport.test_inbound import GOODBYE, Receiver, _first_of, _framed, _hold_server_before_its_poll, _receive
 
 
 def test_ring_over_mutual_tls(tls_files):
@@ -89,3 +94,49 @@ def test_a_tls_data_socket_shut_down_mid_message_never_reads_raw_bytes_as_payloa
         receiver.close()
     finally:
         listener.close()
+
+
+def test_bytes_a_waiting_thread_leaves_decrypted_in_tls_reach_the_server_thread_polling_the_socket(
+    monkeypatch, tls_files
+):
+    # Left in OpenSSL's decrypted record (pending), not in the read-ahead buffer: the socket's poll
+    # does not see them either, so the waiting thread that leaves them wakes the server thread.
+    monkeypatch.setattr(inbound, "_SERVER_WAIT_SLICE_S", 60.0)
+    looked, go_on = _hold_server_before_its_poll(monkeypatch)
+    listener = DataSocketListener(
+        "127.0.0.1", 0, 2.0, 1 << 20, ticket_timeout_s=2.0, tls=tls_files.server_ssl_context()
+    )
+    try:
+        ticket = listener.expect()
+        sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, 1 << 20, tls=tls_files.client_ssl_context())
+        receiving = listener.claim(ticket, timeout=5.0)
+    finally:
+        listener.close()
+    receiver = Receiver(offer_target=True)
+    outcome: dict = {}
+
+    def serve():
+        try:
+            outcome["goodbye"], _ = _receive([frames.encode_data_socket_attached()], receiver, attach=lambda: receiving)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = e
+
+    server = threading.Thread(target=serve, name="stream-server", daemon=True)
+    server.start()
+    try:
+        assert receiver.attached.wait(10) and looked.wait(10)
+        big = bytes(range(256)) * 80  # 20 KiB: a TLS record of 16 KiB, the rest in one with the next message
+        sent = _framed(0, big) + _framed(1, b"nobody waits for this one yet")
+        assert receiver.socket.read_while(
+            receiver, _first_of(receiver, lambda: sender._sock.sendall(sent)), time.monotonic() + 10
+        )
+        assert receiver.socket._socket.buffered()
+        go_on.set()
+        wait_for(lambda: len(receiver.messages) == 2 and receiver.messages[1].finished, "the second delivered")
+        assert receiver.delivered_by == [threading.current_thread().name, "stream-server"]
+        sender.send_frame(GOODBYE)
+    finally:
+        go_on.set()
+        server.join(10)
+        sender.close()
+    assert outcome.get("goodbye") is not None and outcome["goodbye"].reason == "done", outcome
