@@ -178,11 +178,11 @@ class SocketFrames:
     :data:`_READERS_GRACE_S`) it is theirs, and the server thread neither watches it nor, woken
     by a message anyway, reads it. Messages that came with one a waiting thread read (a peer a
     step ahead sent its next ones) stay in the read-ahead buffer, as they would in the kernel's,
-    for the next waiting thread, which reads them the short way (:meth:`_read_placed`); the
-    server thread reads them once the grace has passed. It becomes the server thread's again when the grace passes,
-    or when it is handed over (:meth:`hand_to_server`; a thread letting go of it while a thread
-    it turned away still waits, since that one sleeps on its receive), until a waiting thread that
-    takes it afterwards reads a frame there.
+    for the next waiting thread, which reads them the short way (:meth:`_read_placed`). The
+    socket becomes the server thread's again when the grace passes, or when it is handed over
+    (:meth:`hand_to_server`; a thread letting go of it while a thread it turned away still
+    waits, since that one sleeps on its receive), until a waiting thread that takes it
+    afterwards reads a frame there.
 
     Args:
         data_socket: the connection.
