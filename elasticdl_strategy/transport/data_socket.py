@@ -152,32 +152,6 @@ class FrameSocket:
         """Whether bytes already came in that a read has not taken (a read returns without waiting for the network)."""
         return self._end > self._start or (self._pending is not None and self._pending() > 0)
 
-    def peek_frame(self) -> Optional[bytes]:
-        """The next control frame if it came in whole (:meth:`recv_frame` would return it without
-        waiting for the network), left unread; None otherwise."""
-        n = self._end - self._start
-        if n < _LENGTH.size:
-            return None
-        (length,) = _LENGTH.unpack_from(self._buffer, self._start)
-        if n < _LENGTH.size + length:
-            return None
-        begin = self._start + _LENGTH.size
-        return bytes(self._view[begin : begin + length])
-
-    def drop_frame(self, frame: bytes) -> None:
-        """Reads past the control frame :meth:`peek_frame` just returned (its payload comes next)."""
-        self._start += _LENGTH.size + len(frame)
-
-    def read_ahead(self) -> None:
-        """Reads what the socket has (at least one byte: call it once :meth:`wait_readable` said so)
-        into the read-ahead buffer if that is empty (else nothing: it holds the start of a frame).
-
-        Raises:
-            DataSocketClosed: the connection ended.
-        """
-        if self._end == self._start:
-            self._fill()
-
     def wait_readable(self, timeout: Optional[float], wake_fd: Optional[int] = None) -> bool:
         """Waits up to ``timeout`` seconds (``None``: no limit) for something to read (bytes, or the
         connection's end); returns whether there is, False at once when ``wake_fd`` becomes readable."""

@@ -72,6 +72,10 @@ class MessageWriter(Protocol):
         """All bytes of the message were written."""
 
 
+# Gives the writer of the one message a waiting thread awaits, for its header; None for any other.
+Place = Callable[[peer_pb2.MessageHeader], Optional[MessageWriter]]
+
+
 class StreamReceiver(Protocol):
     """Where one stream's messages go. A receiver that reads lanes also has
     ``attach_lane(lane: ReceiveLane)``: it then reads the messages the sender put
@@ -178,8 +182,8 @@ class SocketFrames:
     :data:`_READERS_GRACE_S`) it is theirs, and the server thread neither watches it nor, woken
     by a message anyway, reads it. Messages that came with one a waiting thread read (a peer a
     step ahead sent its next ones) stay in the read-ahead buffer, as they would in the kernel's,
-    for the next waiting thread, which reads them the short way (:meth:`_read_placed`). The
-    socket becomes the server thread's again when the grace passes, or when it is handed over
+    for the next waiting thread, which reads them the short way (``place`` of
+    :meth:`read_while`). The socket becomes the server thread's again when the grace passes, or when it is handed over
     (:meth:`hand_to_server`; a thread letting go of it while a thread it turned away still
     waits, since that one sleeps on its receive), until a waiting thread that takes it
     afterwards reads a frame there.
@@ -299,14 +303,14 @@ class SocketFrames:
         deadline: float,
         spin_s: float = 0.0,
         spin_yield: bool = False,
-        place: Optional[Callable[[peer_pb2.MessageHeader], Optional[MessageWriter]]] = None,
+        place: Optional[Place] = None,
     ) -> bool:
         """In a thread waiting for a message of this stream: unless another thread reads the socket,
         reads it and delivers to ``receiver`` every message that comes, while ``waiting()`` and
         until ``deadline`` (``time.monotonic()``); :meth:`wake_reader` makes it look at
-        ``waiting()`` again at once. For the first ``spin_s`` seconds it looks at
-        the socket again and again rather than sleep until something comes (a sleeping thread takes
-        tens of microseconds to wake), offering its core to other threads between looks if ``spin_yield``.
+        ``waiting()`` again at once. For the first ``spin_s`` seconds it looks at the socket again
+        and again rather than sleep until something comes (a sleeping thread takes tens of
+        microseconds to wake), offering its core to other threads between looks if ``spin_yield``.
         A message it began to read it reads to the end (at most
         :data:`WAITING_THREAD_READS_AT_MOST` bytes, so the deadline is overrun by one such
         transfer at most): a sender that stops in the middle of one holds it until
@@ -314,8 +318,7 @@ class SocketFrames:
 
         ``place(header)``, if given, reads the awaited message the short way: for that one header it
         returns the writer of its bytes, as ``receiver.on_header`` would (None for any other,
-        changing nothing), and that message, whole in the read-ahead buffer, is read with one
-        look at its header, not handed to ``receiver`` (:meth:`_read_placed`).
+        changing nothing), and that message is not handed to ``receiver`` to find out whose it is.
 
         Returns:
             True once ``waiting()`` is false or the deadline passed; False, sooner, if another
@@ -338,59 +341,11 @@ class SocketFrames:
                     elif spin_yield:
                         os.sched_yield()
                     continue
-                placed = self._read_placed(place) if place is not None else None
-                if placed is False or (placed is None and not self._read_message(receiver)):
+                if not self._read_message(receiver, place):
                     return False
             return True
         finally:
             self._let_go()
-
-    def _read_placed(self, place: Callable[[peer_pb2.MessageHeader], Optional[MessageWriter]]) -> Optional[bool]:
-        """Reads the next message the short way if ``place`` takes it: its frame whole in the read-ahead
-        buffer, a header a waiting thread reads with its payload raw on the socket, for which ``place``
-        returns a writer (True). None: nothing read (the frame is read the usual way). False: the
-        connection broke, or ``place`` or the writer failed (left to the server thread, which ends
-        the stream with it, as :meth:`_read_message` does)."""
-        socket = self._socket
-        try:
-            socket.read_ahead()
-        except DataSocketClosed as e:
-            self._left.append(e)
-            return False
-        except BaseException:  # interrupted (Ctrl-C) as the bytes left the kernel: they may be lost
-            self._end_interrupted()
-            raise
-        frame = socket.peek_frame()
-        if frame is None or frames.is_chunk(frame):
-            return None
-        try:
-            control = frames.decode_control(frame)
-        except Exception:  # noqa: BLE001 - read the usual way, which ends the stream with it
-            return None
-        if not _read_by_waiting_threads(control) or control.header.inline_data:
-            return None
-        header = control.header
-        try:
-            writer = place(header)
-            if writer is None:
-                return None
-            socket.drop_frame(frame)
-            self._hand_overs_read = max(self._hand_overs_read, self._hand_overs_seen)
-            if header.nbytes:
-                self.read_payload(writer, header.nbytes)
-            writer.finish()
-            return True
-        except Exception as e:  # noqa: BLE001 - the server thread ends the stream with it, as if it had read it
-            self._left.append(e)
-            return False
-        except BaseException:  # interrupted (Ctrl-C) in the middle of a message: the stream cannot go on
-            self._end_interrupted()
-            raise
-
-    def _end_interrupted(self) -> None:
-        """A waiting thread was interrupted (Ctrl-C) in the middle of reading: ends the stream."""
-        self._socket.shutdown()
-        self._left.append(DataSocketClosed("a thread reading the data socket was interrupted mid-message"))
 
     def _take_socket(self, waiting: Callable[[], bool]) -> bool:
         """Makes a thread waiting for ``waiting()`` the socket's reader; False if another thread
@@ -494,9 +449,14 @@ class SocketFrames:
             self._wake_server = self._wake_reader = -1
         self._stop_reading()
 
-    def _read_message(self, receiver: StreamReceiver) -> bool:
-        """Reads one frame in a waiting thread and delivers its message; False if it left the frame
-        (or the connection's failure) to the server thread."""
+    def _read_message(
+        self,
+        receiver: StreamReceiver,
+        place: Optional[Place] = None,
+    ) -> bool:
+        """Reads one frame in a waiting thread and delivers its message, to the writer ``place`` gives
+        for its header or else to ``receiver``; False if it left the frame (or the connection's
+        failure) to the server thread."""
         try:
             frame = self._socket.recv_frame()
             # A waiting thread reads here again: the socket is theirs, but for hand-overs since it took it.
@@ -505,13 +465,15 @@ class SocketFrames:
             if control is None or not _read_by_waiting_threads(control):
                 self._left.append(frame)
                 return False
-            deliver(self, receiver, control.header)
+            header = control.header
+            deliver(self, receiver, header, place(header) if place is not None else None)
             return True
         except Exception as e:  # noqa: BLE001 - the server thread ends the stream with it, as if it had read it
             self._left.append(e)
             return False
         except BaseException:  # interrupted (Ctrl-C) in the middle of a frame: the stream cannot go on
-            self._end_interrupted()
+            self._socket.shutdown()
+            self._left.append(DataSocketClosed("a thread reading the data socket was interrupted mid-message"))
             raise
 
     def _stop_reading(self) -> None:
@@ -547,9 +509,16 @@ def _drain(fd: int) -> bool:
         return False
 
 
-def deliver(source: FrameSource, receiver: StreamReceiver, header: peer_pb2.MessageHeader) -> None:
-    """Hands a message whose header came to ``receiver``, its payload inline or read from ``source``."""
-    writer = receiver.on_header(header)
+def deliver(
+    source: FrameSource,
+    receiver: StreamReceiver,
+    header: peer_pb2.MessageHeader,
+    writer: Optional[MessageWriter] = None,
+) -> None:
+    """Hands a message whose header came to ``receiver`` (or to ``writer``, its writer if already
+    known), its payload inline or read from ``source``."""
+    if writer is None:
+        writer = receiver.on_header(header)
     if header.inline_data:
         writer.write(0, memoryview(header.inline_data))
     elif header.nbytes:

@@ -312,19 +312,29 @@ def test_no_message_is_delivered_from_a_stream_that_already_ended():
     assert receiver.messages == []
 
 
+def _hand_over_while_holding(frames_socket: SocketFrames, wake: bool, meanwhile=lambda: None) -> None:
+    """As a waiting thread that holds the socket (doing ``meanwhile``), read it just now, and hands it
+    to the server thread before it blocks writing (``hand_to_server``, with or without its wake)."""
+    assert frames_socket._reading.acquire(blocking=False)
+    try:
+        meanwhile()
+        frames_socket._last_read = time.monotonic()
+        frames_socket._hand_over(wake=wake)
+    finally:
+        frames_socket._reading.release()
+
+
 def test_a_thread_that_waited_for_nothing_leaves_a_hand_over_as_it_is():
     receiver = Receiver()
     server = ServerThread(receiver)
     frames_socket = receiver.socket
-    assert frames_socket._reading.acquire(blocking=False)  # as a waiting thread holding it
-    try:
+
+    def both_in_the_read_ahead_buffer():
         server.sending._sock.sendall(_framed(0, b"a") + _framed(1, b"b"))
         wait_for(lambda: frames_socket._socket.wait_readable(0), "the messages in the socket")
-        frames_socket._socket._fill()  # both in the read-ahead buffer
-        frames_socket._last_read = time.monotonic()
-        frames_socket.hand_to_server()  # a thread about to block writing
-    finally:
-        frames_socket._reading.release()
+        frames_socket._socket._fill()
+
+    _hand_over_while_holding(frames_socket, wake=True, meanwhile=both_in_the_read_ahead_buffer)
     frames_socket.read_while(receiver, lambda: False, time.monotonic() + 1)  # its message had come
     assert frames_socket._handed()
     server.sending.send_frame(GOODBYE)
@@ -539,11 +549,11 @@ def test_the_awaited_message_is_read_into_its_place_and_so_is_the_next_one_that_
     "sent, usual_way, short_way, asked",
     [
         (_framed(1, b"another") + _framed(0, b"awaited"), [b"another"], [b"awaited"], [1, 0]),  # another first
-        (_inline(0, b"awaited"), [b"awaited"], [], []),  # the awaited one inline: its payload is not on the socket
+        (_inline(0, b"awaited"), [], [b"awaited"], [0]),  # the awaited one inline: its payload in its header
     ],
     ids=["another message first", "inline"],
 )
-def test_a_frame_place_does_not_take_is_read_the_usual_way(sent, usual_way, short_way, asked):
+def test_place_takes_the_awaited_message_and_the_receiver_gets_the_others(sent, usual_way, short_way, asked):
     receiver = Receiver()
     server = ServerThread(receiver)
     place = Place(0)
@@ -561,26 +571,24 @@ def test_a_frame_place_does_not_take_is_read_the_usual_way(sent, usual_way, shor
     assert server.finish()["goodbye"].reason == "done"
 
 
-def test_a_frame_partly_come_at_the_first_look_is_read_the_usual_way(monkeypatch):
+def test_a_message_whose_frame_comes_in_pieces_is_read_the_short_way_too(monkeypatch):
     receiver = Receiver()
     server = ServerThread(receiver)
     message = _framed(0, b"awaited")
     socket_ = receiver.socket._socket
-    peek_frame = socket_.peek_frame
-
-    def peek_then_send_the_rest():  # the rest comes once the short way has looked (and found 3 bytes)
-        peeked = peek_frame()
-        if peeked is None and not rest_sent:
-            rest_sent.append(server.sending._sock.sendall(message[3:]))
-        return peeked
-
+    recv = socket_._recv
     rest_sent: list = []
-    monkeypatch.setattr(socket_, "peek_frame", peek_then_send_the_rest)
+
+    def recv_then_send_the_rest(view):  # the rest comes once the first 3 bytes were read
+        n = recv(view)
+        if not rest_sent:
+            rest_sent.append(server.sending._sock.sendall(message[3:]))
+        return n
+
+    monkeypatch.setattr(socket_, "_recv", recv_then_send_the_rest)
     place = Place(0)
     assert _read_placed(receiver, place, lambda: server.sending._sock.sendall(message[:3]))
-    assert rest_sent
-    # Its header was read whole by the usual way (recv_frame waits for the rest), then handed over.
-    assert receiver.payloads() == [b"awaited"] and place.placed == []
+    assert rest_sent and place.came() and bytes(place.placed[0].data) == b"awaited" and receiver.messages == []
     server.sending.send_frame(GOODBYE)
     assert server.finish()["goodbye"].reason == "done"
 
@@ -626,12 +634,7 @@ def test_a_thread_that_reads_its_message_the_short_way_ends_a_hand_over_made_bef
     receiver = Receiver()
     server = ServerThread(receiver)
     frames_socket = receiver.socket
-    assert frames_socket._reading.acquire(blocking=False)  # as a waiting thread holding it
-    try:
-        frames_socket._last_read = time.monotonic()
-        frames_socket._hand_over(wake=False)  # as hand_to_server, without waking the server thread to take it
-    finally:
-        frames_socket._reading.release()
+    _hand_over_while_holding(frames_socket, wake=False)  # not waking the server thread to take it
     assert frames_socket._handed()
     place = Place(0)
     assert _read_placed(receiver, place, lambda: server.send(0, b"awaited"))
@@ -670,7 +673,7 @@ def test_an_empty_placed_message_whose_writer_offers_no_target_is_read():
     assert server.finish()["goodbye"].reason == "done"
 
 
-def test_a_thread_interrupted_just_as_its_read_ahead_returns_ends_the_stream():
+def test_a_thread_interrupted_just_as_its_read_of_a_frame_returns_ends_the_stream():
     receiver = Receiver()
     server = ServerThread(receiver)
     frame_socket = receiver.socket._socket

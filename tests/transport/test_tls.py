@@ -69,14 +69,22 @@ def test_missing_tls_file_is_a_config_error(tmp_path):
         TLSConfig(str(tmp_path / "nope.pem"), str(tmp_path / "nope.key"))
 
 
-def test_a_tls_data_socket_shut_down_mid_message_never_reads_raw_bytes_as_payload(tls_files):
+def _tls_data_socket(tls_files):
+    """(sender, receiver): the two ends of a data socket under TLS, set up as a stream sets one up."""
     listener = DataSocketListener(
         "127.0.0.1", 0, 2.0, 1 << 20, ticket_timeout_s=2.0, tls=tls_files.server_ssl_context()
     )
     try:
         ticket = listener.expect()
         sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, 1 << 20, tls=tls_files.client_ssl_context())
-        receiver = listener.claim(ticket, timeout=5.0)
+        return sender, listener.claim(ticket, timeout=5.0)
+    finally:
+        listener.close()
+
+
+def test_a_tls_data_socket_shut_down_mid_message_never_reads_raw_bytes_as_payload(tls_files):
+    sender, receiver = _tls_data_socket(tls_files)
+    try:
         payload = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)  # 1 MiB, then more queued behind it
         sender.send_frame(b"first", memoryview(payload))
         sender.send_frame(b"second", memoryview(payload[: 512 << 10]))
@@ -90,10 +98,9 @@ def test_a_tls_data_socket_shut_down_mid_message_never_reads_raw_bytes_as_payloa
             pass  # refused: fine
         else:  # or the rest of what was already decrypted or queued: then it must be the real bytes
             np.testing.assert_array_equal(out, payload)
+    finally:
         sender.close()
         receiver.close()
-    finally:
-        listener.close()
 
 
 def test_bytes_a_waiting_thread_leaves_decrypted_in_tls_reach_the_server_thread_polling_the_socket(
@@ -103,15 +110,7 @@ def test_bytes_a_waiting_thread_leaves_decrypted_in_tls_reach_the_server_thread_
     # does not see them either, so the waiting thread that leaves them wakes the server thread.
     monkeypatch.setattr(inbound, "_SERVER_WAIT_SLICE_S", 60.0)
     looked, go_on = _hold_server_before_its_poll(monkeypatch)
-    listener = DataSocketListener(
-        "127.0.0.1", 0, 2.0, 1 << 20, ticket_timeout_s=2.0, tls=tls_files.server_ssl_context()
-    )
-    try:
-        ticket = listener.expect()
-        sender = connect("127.0.0.1", listener.port, ticket, 5.0, 2.0, 1 << 20, tls=tls_files.client_ssl_context())
-        receiving = listener.claim(ticket, timeout=5.0)
-    finally:
-        listener.close()
+    sender, receiving = _tls_data_socket(tls_files)
     receiver = Receiver(offer_target=True)
     outcome: dict = {}
 
