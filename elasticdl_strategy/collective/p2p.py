@@ -763,16 +763,17 @@ class _Taking(enum.Enum):
 
 
 class _AwaitedOnSocket:
-    """The message a thread reading a data socket waits for (a MessageWriter into its sink once its
-    header came and fits)."""
+    """The message a thread reading a data socket waits for, and where it goes once its header came
+    (:meth:`place`): into the receive's sink if it fits, else to the mailbox."""
 
-    __slots__ = ("key", "sink", "state", "_mailbox", "_nbytes")
+    __slots__ = ("key", "sink", "state", "_inbound", "_mailbox", "_nbytes")
 
-    def __init__(self, key: Key, sink: Sink, mailbox: Mailbox):
+    def __init__(self, key: Key, sink: Sink, inbound: "_InboundStream"):
         self.key = key
         self.sink = sink
         self.state = _Taking.WAITING
-        self._mailbox = mailbox
+        self._inbound = inbound
+        self._mailbox = inbound.mailbox
         self._nbytes = 0
 
     def waiting(self) -> bool:
@@ -784,20 +785,26 @@ class _AwaitedOnSocket:
         if self.state is _Taking.WAITING:
             self.state = _Taking.PASSED
 
-    def takes(self, src: int, header: peer_pb2.MessageHeader) -> bool:
-        """Whether the message of ``header`` is the awaited one and goes into the sink (its payload
-        next); one that does not fit, or on an aborted channel, goes to the mailbox."""
-        if self.state is not _Taking.WAITING or (src, header.channel, header.tag, header.sequence) != self.key:
-            return False
+    def place(self, header: peer_pb2.MessageHeader) -> Optional[MessageWriter]:
+        """The writer of the message of ``header`` if it is the awaited one (``place`` of
+        :meth:`SocketFrames.read_while`): this object, whose payload goes into the sink, if it fits
+        the sink; else the mailbox's (whose posted receive then fails with the reason). None,
+        changing nothing, for any other message."""
+        key = self.key
+        if header.sequence != key[3] or header.channel != key[1] or header.tag != key[2]:
+            return None
+        if self.state is not _Taking.WAITING:
+            return None
+        self._inbound.observe(header)
         self.state = _Taking.PASSED
         if self._mailbox.channel_failed(header.channel):
-            return False
+            return self._mailbox.deliver(key[0], header)
         try:
-            self.sink.begin(src, header)
+            self.sink.begin(key[0], header)
         except CommunicationError:  # the mailbox fails the posted receive with it
-            return False
+            return self._mailbox.deliver(key[0], header)
         self.state, self._nbytes = _Taking.READING, header.nbytes
-        return True
+        return self
 
     def write(self, offset: int, data: memoryview, borrowed: bool = False) -> None:
         self.sink.write(offset, data)
@@ -824,16 +831,13 @@ class _InboundStream:
         self.lane: Optional[ReceiveLane] = None
         self._lane_lock = threading.Lock()  # one reader at a time; guards the lane and _pieces
         self._pieces: Optional[_Pieces] = None  # the message whose pieces are being read from the lane
-        self._awaited: Dict[int, _AwaitedOnSocket] = {}  # by thread: what it reads the data socket for
+        self.mailbox = p2p.mailbox
 
     def on_header(self, header: peer_pb2.MessageHeader):
-        self._observe(header)
-        awaited = self._awaited.get(threading.get_ident()) if self._awaited else None
-        if awaited is not None and awaited.takes(self._src, header):
-            return awaited
-        return self._p2p.mailbox.deliver(self._src, header)
+        self.observe(header)
+        return self.mailbox.deliver(self._src, header)
 
-    def _observe(self, header: peer_pb2.MessageHeader) -> None:
+    def observe(self, header: peer_pb2.MessageHeader) -> None:
         """Shows the descriptor of a collective message to the communicator (which checks it)."""
         p2p = self._p2p
         if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
@@ -848,26 +852,12 @@ class _InboundStream:
         socket = self.socket
         if socket is None or seconds <= 0:
             return False
-        awaited = _AwaitedOnSocket(key, sink, self._p2p.mailbox)
-        place = functools.partial(self._place, awaited)
-        me = threading.get_ident()
-        self._awaited[me] = awaited
+        awaited = _AwaitedOnSocket(key, sink, self)
         try:
-            socket.read_while(self, awaited.waiting, time.monotonic() + seconds, seconds, spin_yield, place)
+            socket.read_while(self, awaited.waiting, time.monotonic() + seconds, seconds, spin_yield, awaited.place)
         finally:
-            del self._awaited[me]
             awaited.stop_waiting()
         return awaited.state is _Taking.TAKEN
-
-    def _place(self, awaited: _AwaitedOnSocket, header: peer_pb2.MessageHeader):
-        """The writer of the ``awaited`` message if ``header`` is its header (``place`` of
-        :meth:`SocketFrames.read_while`): ``awaited`` itself if the message fits its sink, else the
-        mailbox's (whose posted receive then fails with the reason); None, changing nothing, for
-        any other message."""
-        if (self._src, header.channel, header.tag, header.sequence) != awaited.key:
-            return None
-        self._observe(header)
-        return awaited if awaited.takes(self._src, header) else self._p2p.mailbox.deliver(self._src, header)
 
     def attach_lane(self, lane: ReceiveLane) -> None:
         self.lane = lane

@@ -128,6 +128,8 @@ class FrameSocket:
             DataSocketClosed: the connection ended.
             ValueError: the length prefix is larger than any valid frame.
         """
+        if self._start == self._end:  # nothing read ahead: read what came (the frame, and usually more)
+            self._fill()
         start = self._start
         if self._end - start >= _LENGTH.size:  # the usual case: the prefix came in the read ahead
             (length,) = _LENGTH.unpack_from(self._buffer, start)

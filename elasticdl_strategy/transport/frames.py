@@ -34,6 +34,7 @@ def _varint(value: int, width: int = 0) -> bytes:
 
 
 _CHUNK_TAG = _varint((_CHUNK_FIELD_NUMBER << 3) | _WIRE_TYPE_LENGTH_DELIMITED)
+_HEADER_TAG = _varint((peer_pb2.Frame.HEADER_FIELD_NUMBER << 3) | _WIRE_TYPE_LENGTH_DELIMITED)
 CHUNK_PREFIX_SIZE = len(_CHUNK_TAG) + _LENGTH_WIDTH
 MAX_CHUNK_SIZE = (1 << 32) - 1
 assert CHUNK_PREFIX_SIZE == 8
@@ -106,7 +107,11 @@ def encode_hello(hello: peer_pb2.StreamHello) -> bytes:
 
 
 def encode_header(header: peer_pb2.MessageHeader) -> bytes:
-    return peer_pb2.Frame(header=header).SerializeToString()
+    """The frame of ``header``: the bytes ``peer_pb2.Frame(header=header)`` serializes to, written
+    around the header's own (one copy of the header less, for every message)."""
+    body = header.SerializeToString()
+    size = len(body)
+    return b"".join((_HEADER_TAG, bytes((size,)) if size < 0x80 else _varint(size), body))
 
 
 def encode_shared_chunk(slot: int, nbytes: int) -> bytes:

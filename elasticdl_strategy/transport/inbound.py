@@ -280,21 +280,24 @@ class SocketFrames:
             self._wake(server=True)
 
     def read_payload(self, writer: MessageWriter, nbytes: int) -> None:
-        piece = min(nbytes, _SOCKET_PIECE)
-        if self._scratch is None or len(self._scratch) < piece:
-            self._scratch = np.empty(piece, np.uint8).data
-        scratch = self._scratch
-        for offset in range(0, nbytes, len(scratch)):
-            n = min(len(scratch), nbytes - offset)
+        for offset in range(0, nbytes, _SOCKET_PIECE):
+            n = min(_SOCKET_PIECE, nbytes - offset)
             target = writer.target(offset, n)
             if target is None:
-                self._socket.recv_into(scratch[:n])
-                writer.write(offset, scratch[:n], borrowed=True)
+                scratch = self._scratch_of(n)
+                self._socket.recv_into(scratch)
+                writer.write(offset, scratch, borrowed=True)
                 continue
             try:
                 self._socket.recv_into(target)
             finally:
                 writer.target_done()
+
+    def _scratch_of(self, nbytes: int) -> memoryview:
+        """``nbytes`` of memory to read a piece of payload into, reused for every message."""
+        if self._scratch is None or len(self._scratch) < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8).data
+        return self._scratch[:nbytes]
 
     def read_while(
         self,

@@ -453,13 +453,13 @@ def _threads_reading_headers(monkeypatch) -> list:
     """The names of the threads that read each message header from now on, in order (each header is
     observed once, whether it is handed over or read straight into its receive's buffer)."""
     readers = []
-    observe = _InboundStream._observe
+    observe = _InboundStream.observe
 
     def recorded_observe(self, header):
         readers.append(threading.current_thread().name)
         return observe(self, header)
 
-    monkeypatch.setattr(_InboundStream, "_observe", recorded_observe)
+    monkeypatch.setattr(_InboundStream, "observe", recorded_observe)
     return readers
 
 

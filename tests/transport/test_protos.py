@@ -72,6 +72,13 @@ def test_control_frames_round_trip():
         frames.chunk_payload(frames.encode_header(header))
 
 
+@pytest.mark.parametrize("inline", [0, 1, 100, 127, 128, 200, 300, 16383, 16384, 70000])
+def test_a_header_frame_is_the_bytes_protobuf_gives_the_frame_whatever_the_headers_length(inline):
+    for extra in range(0, 4):  # the header's length crosses each varint width at one of these
+        header = peer_pb2.MessageHeader(channel=2, nbytes=inline, inline_data=b"x" * max(0, inline - extra))
+        assert frames.encode_header(header) == peer_pb2.Frame(header=header).SerializeToString()
+
+
 def test_a_whole_message_frame_splits_into_its_aligned_payload_and_header():
     payload = np.arange(1000, dtype=np.float64)
     header = peer_pb2.MessageHeader(channel=1, tag=3, sequence=9, nbytes=payload.nbytes, dtype="float64", shape=[1000])
