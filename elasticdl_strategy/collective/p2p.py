@@ -789,8 +789,8 @@ class _AwaitedOnSocket:
         """The writer of the message of ``header`` if it is the awaited one (``place`` of
         :meth:`SocketFrames.read_while`): this object, whose payload goes into the sink, if it fits
         the sink; else the mailbox's (whose posted receive then fails with the reason). None,
-        changing nothing, for any other message."""
-        key = self.key
+        changing nothing, for any other message, and for this one once it is no longer awaited."""
+        key = self.key  # its sender, key[0], is the stream's: only the channel, tag and number differ
         if header.sequence != key[3] or header.channel != key[1] or header.tag != key[2]:
             return None
         if self.state is not _Taking.WAITING:
@@ -954,18 +954,17 @@ class _InboundStream:
                 return False  # in pieces: through the mailbox once the receive is posted (the record stays)
             lane = self.lane
             assert lane is not None
-            p2p = self._p2p
+            mailbox = self.mailbox
             try:
-                if header.channel == COLLECTIVE_CHANNEL and p2p.header_observer is not None:
-                    p2p.header_observer(self._src, header.collective)
-                if p2p.mailbox.channel_failed(header.channel):
+                self.observe(header)
+                if mailbox.channel_failed(header.channel):
                     return False
                 sink.begin(self._src, header)
                 if len(payload):
                     sink.write(0, payload)
             finally:
                 lane.release(end)
-            p2p.mailbox.count(header.nbytes)
+            mailbox.count(header.nbytes)
             return True
 
     def _detach_lane(self) -> None:

@@ -81,7 +81,7 @@ class FrameSocket:
         self._start = 0  # the buffered bytes not yet read are _buffer[_start:_end]
         self._end = 0
         self._fd = sock.fileno()
-        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._is_tls = isinstance(sock, ssl.SSLSocket)
         self._pending = getattr(sock, "pending", None)  # TLS: records decrypted but not read
         self._pollers: Dict[Optional[int], "select.poll"] = {}  # by the wake fd polled beside the socket
 
@@ -115,7 +115,7 @@ class FrameSocket:
 
     def _send_now(self, data) -> int:
         """Writes what fits in the socket's buffers now; returns how many bytes (0 under TLS)."""
-        if self._tls:
+        if self._is_tls:
             return 0  # no non-blocking flag for one write: treat it as one that may wait
         try:
             return self._sock.send(data, socket.MSG_DONTWAIT)

@@ -1,10 +1,12 @@
 """Encoding of the frames that travel on a ``Peer.Transfer`` stream.
 
-Every frame is a serialized ``peer.Frame`` protobuf. Hello and header frames
-go through protobuf; chunk frames, which carry the bulk data, are written
-by hand: a 3-byte field tag and a 5-byte (padded) length followed by the raw
-bytes. That is valid protobuf for ``Frame.chunk``, costs one copy to build
-(``bytes.join`` over a memoryview of the array) and none to read, and puts
+Every frame is a serialized ``peer.Frame`` protobuf. Hello and other control
+frames go through protobuf; a header frame is the header's own protobuf bytes
+behind the field's tag and length, written by hand (one copy of the header less
+than serializing a ``Frame``). Chunk frames, which carry the bulk data, are
+written by hand too: a 3-byte field tag and a 5-byte (padded) length followed by
+the raw bytes. That is valid protobuf for ``Frame.chunk``, costs one copy to
+build (``bytes.join`` over a memoryview of the array) and none to read, and puts
 the payload at an 8-byte aligned offset so ``np.frombuffer`` views are aligned.
 """
 
