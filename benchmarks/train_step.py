@@ -44,7 +44,9 @@ the timed steps, the bridge's counters give the time spent packing gradients int
 in the buckets' all-reduces (waiting for the slower worker included); after the timed windows
 every worker times the same traced step while the bridge hands the gradients back unreduced
 (compute, optimizer and bridge without the all-reduce; the models drift apart, only the time
-is kept). The bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function``
+is kept), and then with a barrier where each bucket's all-reduce was: the workers still wait for
+the slower one at every step, so that is what a synchronous step would cost with an all-reduce
+that took no time. The bridge into Python is timed as a ``tf.function`` calling ``tf.numpy_function``
 with an identity function, on a tensor of the parameter count and on a 1-element one, and
 beside the same ``tf.function`` without it: the difference is what one crossing costs, the
 rest is TensorFlow's cost of calling a function, which one process pays as well.
@@ -288,16 +290,25 @@ def measure_bridge(count: int, steps: int, repeats: int, warmup: int, crossings:
     return window_seconds(call, steps, repeats)
 
 
-def windows_without_the_ring(call: Callable[[], object], steps: int, repeats: int) -> List[float]:
+def windows_without_the_ring(
+    call: Callable[[], object], steps: int, repeats: int, lined_up: bool = False
+) -> List[float]:
     """Seconds per step of ``call`` (a step traced with the bridge) while the bridge hands the
     gradients back unreduced: what the step costs without the all-reduce (the workers' models then
-    drift apart; only the time is kept). Every worker calls it at the same point."""
+    drift apart; only the time is kept). ``lined_up``: each bucket's all-reduce is a barrier
+    instead, so the workers still wait for each other where they would (what a synchronous step
+    costs with an all-reduce that moves nothing). Every worker calls it at the same point."""
     from elasticdl_strategy import runtime
     from elasticdl_strategy.strategy import bridge
 
+    def unreduced(arrays, *args, **kwargs):
+        if lined_up:
+            runtime.barrier()
+        return [np.asarray(a) for a in arrays]
+
     reduce_buckets = bridge.reduce_buckets
     runtime.barrier()
-    bridge.reduce_buckets = lambda arrays, *args, **kwargs: [np.asarray(a) for a in arrays]
+    bridge.reduce_buckets = unreduced
     try:
         return window_seconds(call, steps, repeats)
     finally:
@@ -371,6 +382,7 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
         sent = runtime.stats()["bytes_sent"] - sent_before
         allocations = bridge.counters()["staging_allocations"] - allocations_before
         no_ring = windows_without_the_ring(lambda: steps[0](features, labels), args.steps, args.repeats)
+        lined_up = windows_without_the_ring(lambda: steps[0](features, labels), args.steps, args.repeats, True)
     finally:
         bridge._OVERLAP = default_overlap
     timed_steps = args.steps * args.repeats
@@ -378,6 +390,7 @@ def measure_ours(name: str, strategy, args: argparse.Namespace) -> dict:
         "params": params,
         "step_s": seconds[0],
         "no_ring_step_s": no_ring,
+        "lined_up_step_s": lined_up,
         "pack_s_per_step": counted[0]["pack_s"] / timed_steps,
         "ring_s_per_step": counted[0]["ring_s"] / timed_steps,
         "buckets_per_step": counted[0]["buckets"] / timed_steps,
@@ -541,15 +554,21 @@ def print_model(name: str, results: Sequence[Result], args: argparse.Namespace) 
         f"staging buffers allocated per timed step (all variants): {ours.data['staging_allocations_per_step']:g}"
     )
     if "no_ring_step_s" in ours.data:
-        alone, pack, ring = (
+        alone, pack, ring, lined = (
             ours.median_ms("no_ring_step_s"),
             ours.data["pack_s_per_step"] * 1e3,
             ours.data["ring_s_per_step"] * 1e3,
+            ours.median_ms("lined_up_step_s"),
         )
+        reach = ""
+        if single is not None and not single.error:
+            ratio = single.median_ms() / lined
+            reach = f": a synchronous step with a free all-reduce reaches {ratio:.2f}× of one process"
         print(
             f"  in the step (ms/step): packing the gradients into buckets {pack:.2f}, the buckets' all-reduces "
             f"{ring:.2f} (waiting for the slower worker included); the same step without the all-reduce "
-            f"(gradients handed back unreduced, timed after the others) {alone:.2f}"
+            f"(gradients handed back unreduced, timed after the others) {alone:.2f}, and with a barrier in its "
+            f"place (the workers wait for each other, nothing moves) {lined:.2f}{reach}"
         )
     call = ours.median_ms("function_call_s") if "function_call_s" in ours.data else 0.0
     print(
