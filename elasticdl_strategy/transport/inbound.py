@@ -182,11 +182,11 @@ class SocketFrames:
     :data:`_READERS_GRACE_S`) it is theirs, and the server thread neither watches it nor, woken
     by a message anyway, reads it. Messages that came with one a waiting thread read (a peer a
     step ahead sent its next ones) stay in the read-ahead buffer, as they would in the kernel's,
-    for the next waiting thread, which reads them the short way (``place`` of
-    :meth:`read_while`). The socket becomes the server thread's again when the grace passes, or when it is handed over
-    (:meth:`hand_to_server`; a thread letting go of it while a thread it turned away still
-    waits, since that one sleeps on its receive), until a waiting thread that takes it
-    afterwards reads a frame there.
+    for the next waiting thread, which reads them the short way (``place`` of :meth:`read_while`).
+    The socket becomes the server thread's again when the grace passes, or when it is handed over
+    (:meth:`hand_to_server`; a thread letting go of it while a thread it turned away still waits,
+    since that one sleeps on its receive), until a waiting thread that takes it afterwards reads a
+    frame there.
 
     Args:
         data_socket: the connection.
@@ -452,11 +452,7 @@ class SocketFrames:
             self._wake_server = self._wake_reader = -1
         self._stop_reading()
 
-    def _read_message(
-        self,
-        receiver: StreamReceiver,
-        place: Optional[Place] = None,
-    ) -> bool:
+    def _read_message(self, receiver: StreamReceiver, place: Optional[Place] = None) -> bool:
         """Reads one frame in a waiting thread and delivers its message, to the writer ``place`` gives
         for its header or else to ``receiver``; False if it left the frame (or the connection's
         failure) to the server thread."""

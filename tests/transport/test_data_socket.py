@@ -340,7 +340,8 @@ def test_a_ticket_dripped_byte_by_byte_misses_the_total_deadline():
 
 
 def test_a_read_interrupted_leaves_the_buffer_empty_not_holding_old_bytes(monkeypatch):
-    sending, receiving = (FrameSocket(s, 1 << 20) for s in socket.socketpair())
+    ends = socket.socketpair()
+    sending, receiving = (FrameSocket(s, 1 << 20) for s in ends)
     try:
         sending.send_frame(b"first")
         assert receiving.recv_frame() == b"first"  # the read-ahead buffer read to its end, not at its start
@@ -354,4 +355,5 @@ def test_a_read_interrupted_leaves_the_buffer_empty_not_holding_old_bytes(monkey
             receiving.recv_frame()  # the buffer is empty: it reads the socket ahead
         assert not receiving.buffered()
     finally:
-        sending.close()
+        for end in ends:
+            end.close()
